@@ -1,0 +1,56 @@
+"""The exceptions callers may want to catch.
+
+Bad arguments raise the built-in ``ValueError`` / ``TypeError``; everything here
+is about the checkpoint, the quantization scheme or the memory budget, and every
+message names what failed, the values seen and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class LowMemError(Exception):
+    """Base class of every error raised by lightning_lowmem."""
+
+
+class CheckpointError(LowMemError):
+    """A checkpoint could not be read: missing, truncated, unknown format or unsafe."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The file is not a checkpoint we can read, or it is truncated or incomplete."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle-based checkpoint asks to import or run code; it is never executed."""
+
+
+class CheckpointMismatchError(LowMemError):
+    """The checkpoint does not fit the module: missing or unexpected keys, wrong shapes."""
+
+
+class UnsupportedQuantizationError(LowMemError, ValueError):
+    """A quantization scheme is unknown or has no kernel on the target device."""
+
+
+class MemoryBudgetError(LowMemError):
+    """A memory budget cannot hold what was asked for."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class MetaTensorError(CheckpointMismatchError):
+    """Parameters or buffers were left on the meta device after a load."""
+
+
+def format_names(names: Iterable[str], limit: int = 10) -> str:
+    """``'a', 'b', ... and N more`` — at most ``limit`` names, in the given order."""
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    if len(names) > limit:
+        shown += f" ... and {len(names) - limit} more"
+    return shown

@@ -1,0 +1,213 @@
+"""``load_checkpoint``: stream a checkpoint into a module, one tensor at a time.
+
+::
+
+    meta-built module -> plan (headers only) -> for each tensor, in module order:
+        read it alone -> cast -> to device -> [quantize] -> assign -> drop the rest
+
+Peak memory is the final model plus about one tensor in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lightning_lowmem.checkpoint import Checkpoint
+from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
+from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
+from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
+from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` did.
+
+    Attributes:
+        files: the checkpoint files read.
+        entry: where a torch file's state dict was (``'state_dict'``, ``'model'`` or ``''``).
+        tensors: tensors read.
+        bytes_read: bytes read from the checkpoint.
+        bytes_loaded: bytes of the loaded tensors in the module (after casting and quantization).
+        seconds: wall time of the load.
+        memory: peak host RSS (and device memory) during the load.
+        skipped: checkpoint keys not loaded (``strict=False``).
+        missing: module tensors not in the checkpoint (``strict=False``).
+        recomputed: non-persistent buffers rebuilt after the load.
+        key_note: the key prefix that was guessed, if any.
+        quantized: quantized module name -> scheme.
+        quantized_bytes_before / quantized_bytes_after: those modules' weight bytes.
+    """
+
+    files: list[Path]
+    entry: str = ""
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_loaded: int = 0
+    seconds: float = 0.0
+    memory: MemoryUsage = field(default_factory=MemoryUsage)
+    skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
+    key_note: str = ""
+    quantized: dict[str, str] = field(default_factory=dict)
+    quantized_bytes_before: int = 0
+    quantized_bytes_after: int = 0
+
+    def __str__(self) -> str:
+        where = ", ".join(p.name for p in self.files[:3]) + (f" +{len(self.files) - 3}" if len(self.files) > 3 else "")
+        lines = [
+            f"Loaded {self.tensors} tensors ({format_bytes(self.bytes_read)} read, "
+            f"{format_bytes(self.bytes_loaded)} in the model) from {where} in {self.seconds:.2f} s",
+            f"  memory: {self.memory.summary()}",
+        ]
+        if self.quantized:
+            schemes = sorted(set(self.quantized.values()))
+            lines.append(f"  quantized {len(self.quantized)} modules with {', '.join(schemes)}: "
+                         f"{format_bytes(self.quantized_bytes_before)} -> {format_bytes(self.quantized_bytes_after)}")
+        if self.key_note:
+            lines.append(f"  keys: {self.key_note}")
+        if self.skipped:
+            lines.append(f"  skipped {len(self.skipped)} checkpoint keys: {', '.join(self.skipped[:5])}"
+                         + (" ..." if len(self.skipped) > 5 else ""))
+        if self.missing:
+            lines.append(f"  missing {len(self.missing)} module tensors: {', '.join(self.missing[:5])}"
+                         + (" ..." if len(self.missing) > 5 else ""))
+        return "\n".join(lines)
+
+
+def load_checkpoint(
+    module: nn.Module,
+    checkpoint: str | Path,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    skip_quantize: list[str] | None = None,
+    strict: bool = True,
+    key_map: KeyMap | None = None,
+    progress: bool | None = None,
+) -> LoadReport:
+    """Stream ``checkpoint`` into ``module``, one tensor at a time.
+
+    Args:
+        module: any module; parameters may be on meta (see :func:`init_empty`), real, or mixed.
+        checkpoint: a ``.safetensors`` file, a torch zip file (``.pt``/``.pth``/``.bin``/``.ckpt``:
+            a Lightning ``state_dict`` or Fabric ``model`` entry is found by itself), a sharded
+            set's ``*.index.json``, or a directory holding one of these (litgpt's ``lit_model.pth``
+            and HF's ``model.safetensors`` included).
+        device: where the tensors go; default: where each tensor already is, or CPU for meta.
+        dtype: floating-point tensors are cast to it; default: each module tensor's dtype.
+        quantize: a scheme, in litgpt's spelling: ``"bnb.nf4"``, ``"bnb.nf4-dq"``, ``"bnb.fp4"``,
+            ``"bnb.fp4-dq"``, ``"bnb.int8"``, ``"torchao.int8wo"``, ``"torchao.int8dq"``,
+            ``"torchao.int4wo"``. Each ``nn.Linear`` weight is quantized as it is read.
+        skip_quantize: glob patterns of module names left in full precision; default: the
+            output head (``lm_head``) and anything tied to the input embedding.
+        strict: raise on missing or unexpected keys; with ``False``, skip them and list them in
+            the report. Tensors left on meta are an error either way.
+        key_map: checkpoint-to-module renames: a dict of prefixes (``{"model.": ""}``) or a
+            callable returning the module name (or None to skip the key). Without it, a
+            single missing or extra top-level prefix is detected.
+        progress: show a progress bar by bytes; default: when stderr is a terminal.
+
+    Returns:
+        A :class:`LoadReport`.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
+        CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
+        UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
+
+    Example::
+
+        >>> from litgpt import GPT, Config  # doctest: +SKIP
+        >>> with init_empty():
+        ...     model = GPT(Config.from_name("pythia-160m"))
+        >>> report = load_checkpoint(model, "checkpoints/pythia-160m/lit_model.pth", dtype=torch.bfloat16)
+        >>> print(report)
+    """
+    device = torch.device(device) if device is not None else None
+    spec = QuantizeSpec.parse(quantize, skip_quantize)  # bad names fail before any I/O
+    with Checkpoint.open(checkpoint) as ckpt, MemoryMonitor(device=_cuda_or_none(device)) as monitor:
+        files = ", ".join(str(p) for p in ckpt.paths[:3]) + (" ..." if len(ckpt.paths) > 3 else "")
+        plan = make_plan(module, ckpt.records, key_map=key_map, strict=strict, dtype=dtype,
+                         device=device, files=files)
+        quantizer = prepare_quantization(module, spec, plan, device or torch.device("cpu"))
+        report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected,
+                            missing=plan.missing, key_note=plan.prefix_note)
+        _stream(module, ckpt, plan, quantizer, report, progress)
+        report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
+        if device is not None:
+            _move_buffers(module, device)
+        check_no_meta(module, f"After loading {files}")
+        if quantizer is not None:
+            report.quantized = quantizer.quantized
+            report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
+    report.memory = monitor.usage
+    report.seconds = monitor.usage.seconds
+    log.info("%s", report)
+    return report
+
+
+def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, report: LoadReport,
+            progress: bool | None) -> None:
+    show = progress if progress is not None else sys.stderr.isatty()
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
+               disable=not show, leave=False)
+    loaded: list[list[str]] = []
+    try:
+        with torch.no_grad():
+            for target in plan.targets:
+                tensor = ckpt.read(target.record.key)
+                tensor = tensor.to(dtype=target.dtype).to(device=target.device)
+                if quantizer is None or not quantizer.load(module, target.names[0], tensor):
+                    assign(module, target.names, tensor, target.is_parameter)
+                report.tensors += 1
+                report.bytes_read += target.record.nbytes
+                loaded.append(target.names)
+                del tensor
+                bar.update(target.record.nbytes)
+    except BaseException:
+        _back_to_meta(module, loaded)  # never hand back a half-loaded model that looks loaded
+        raise
+    finally:
+        bar.close()
+    report.bytes_loaded = sum(_nbytes(t) for t in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return 0 if t.is_meta else t.untyped_storage().nbytes() if t.numel() else 0
+
+
+def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
+    for names in loaded:
+        for name in names:
+            owner, leaf = owner_of(module, name)
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            old = table[leaf]
+            if old is not None:
+                meta = old.detach().to("meta")
+                table[leaf] = nn.Parameter(meta, requires_grad=old.requires_grad) if leaf in owner._parameters else meta
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = buf.to(device)
+
+
+def _cuda_or_none(device: torch.device | None) -> torch.device | None:
+    if device is not None and device.type == "cuda":
+        return device
+    return None

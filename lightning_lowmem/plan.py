@@ -1,0 +1,195 @@
+"""Matching a module to a checkpoint from headers alone, before any weight is read.
+
+The plan lists, in module order, every tensor to load: the module names it goes
+to (several when weights are tied), the checkpoint record it comes from, and
+the dtype and device it will have. Missing keys, unexpected keys and shape
+mismatches are found here, so a bad checkpoint fails before a byte is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_lowmem.errors import CheckpointMismatchError, format_names
+from lightning_lowmem.records import TensorRecord
+
+log = logging.getLogger(__name__)
+
+KeyMap = Mapping[str, str] | Callable[[str], str | None]
+
+
+@dataclass
+class Target:
+    """One tensor of the module and where its data comes from.
+
+    Attributes:
+        names: every module name of this tensor (tied weights share one target).
+        record: the checkpoint record that fills it.
+        is_parameter: parameter (True) or persistent buffer (False).
+        dtype: the dtype it gets.
+        device: the device it goes to.
+    """
+
+    names: list[str]
+    record: TensorRecord
+    is_parameter: bool
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class LoadPlan:
+    """What a load will do. Built by :func:`make_plan`."""
+
+    targets: list[Target]
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    prefix_note: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from the checkpoint."""
+        return sum(t.record.nbytes for t in self.targets)
+
+    @property
+    def final_nbytes(self) -> int:
+        """Bytes of the loaded tensors in their target dtypes (before quantization)."""
+        return sum(t.record.numel * t.dtype.itemsize for t in self.targets)
+
+
+def apply_key_map(key: str, key_map: KeyMap | None) -> str | None:
+    """The module name for checkpoint key ``key`` (None drops the key)."""
+    if key_map is None:
+        return key
+    if callable(key_map):
+        return key_map(key)
+    for old, new in key_map.items():  # prefix renames, first match wins
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _module_tensors(module: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
+    """Parameters and persistent buffers in module order, grouped by identity (ties)."""
+    groups: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        own = [(n, p, True) for n, p in mod._parameters.items() if p is not None]
+        own += [(n, b, False) for n, b in mod._buffers.items()
+                if b is not None and n not in mod._non_persistent_buffers_set]
+        for name, tensor, is_param in own:
+            groups.setdefault(id(tensor), ([], tensor, is_param))[0].append(prefix + name)
+    return groups
+
+
+def _guess_prefix(module_keys: set[str], ckpt_keys: list[str]) -> tuple[KeyMap | None, str]:
+    """A prefix rename when the checkpoint's keys sit one level above or below the module's.
+
+    A Lightning ``.ckpt`` of a LightningModule holding ``self.model`` has keys
+    ``model.transformer...`` where the bare model wants ``transformer...``, and
+    the other way round when a plain model file is loaded into the LightningModule.
+    """
+    def hits(key_map: KeyMap) -> int:
+        return sum(apply_key_map(k, key_map) in module_keys for k in ckpt_keys)
+
+    best: tuple[int, KeyMap | None, str] = (sum(k in module_keys for k in ckpt_keys), None, "")
+    if best[0] == len(ckpt_keys):
+        return None, ""
+    ckpt_heads = {k.split(".", 1)[0] + "." for k in ckpt_keys if "." in k}
+    module_heads = {k.split(".", 1)[0] + "." for k in module_keys if "." in k}
+    candidates = [({head: ""}, f"stripped {head!r} from checkpoint keys") for head in ckpt_heads]
+    candidates += [({"": head}, f"added {head!r} to checkpoint keys") for head in module_heads]
+    for key_map, note in candidates:
+        n = hits(key_map)
+        if n > best[0]:
+            best = (n, key_map, note)
+    return best[1], best[2]
+
+
+def make_plan(
+    module: nn.Module,
+    records: Mapping[str, TensorRecord],
+    *,
+    key_map: KeyMap | None = None,
+    strict: bool = True,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    files: str = "the checkpoint",
+) -> LoadPlan:
+    """Match ``module`` with the checkpoint ``records`` and decide dtype and device of each tensor.
+
+    Raises:
+        CheckpointMismatchError: a shape differs, or (``strict=True``) keys are missing or unexpected.
+    """
+    groups = _module_tensors(module)
+    by_name = {name: gid for gid, (names, _, _) in groups.items() for name in names}
+    prefix_note = ""
+    if key_map is None:
+        key_map, prefix_note = _guess_prefix(set(by_name), list(records))
+        if prefix_note:
+            log.info("Checkpoint keys do not match the module's; %s", prefix_note)
+
+    source: dict[int, TensorRecord] = {}
+    unexpected: list[str] = []
+    for key, rec in records.items():
+        name = apply_key_map(key, key_map)
+        gid = by_name.get(name) if name is not None else None
+        if gid is None:
+            unexpected.append(key)
+        elif gid not in source:  # tied names saved twice: load once
+            source[gid] = rec
+
+    targets, missing, bad_shapes = [], [], []
+    for gid, (names, tensor, is_param) in groups.items():
+        rec = source.get(gid)
+        if rec is None:
+            missing.append(names[0])
+            continue
+        if rec.shape != tuple(tensor.shape):
+            bad_shapes.append(f"{rec.key!r} in {rec.file.name}: checkpoint {list(rec.shape)}, "
+                              f"module {names[0]!r} {list(tensor.shape)}")
+            continue
+        targets.append(Target(names, rec, is_param, _target_dtype(tensor, rec, dtype),
+                              _target_device(tensor, device)))
+
+    if bad_shapes:
+        raise CheckpointMismatchError(
+            f"{len(bad_shapes)} tensors of {files} do not have the module's shape: {'; '.join(bad_shapes[:10])}"
+            + (f" ... and {len(bad_shapes) - 10} more" if len(bad_shapes) > 10 else "")
+            + ". The checkpoint is for a different model configuration: build the module with the config the "
+            "checkpoint was saved with."
+        )
+    if strict and (missing or unexpected):
+        raise CheckpointMismatchError(_mismatch_message(files, missing, unexpected, prefix_note))
+    return LoadPlan(targets, missing, unexpected, prefix_note)
+
+
+def _mismatch_message(files: str, missing: list[str], unexpected: list[str], prefix_note: str) -> str:
+    parts = [f"{files} does not match the module:"]
+    if missing:
+        parts.append(f"{len(missing)} module tensors are missing from it ({format_names(missing)});")
+    if unexpected:
+        parts.append(f"{len(unexpected)} checkpoint keys have no place in the module ({format_names(unexpected)}).")
+    if prefix_note:
+        parts.append(f"(A key prefix was guessed: {prefix_note}.)")
+    parts.append("Pass key_map= to rename checkpoint keys (e.g. {'model.': ''}), or strict=False to load what "
+                 "matches and list the rest in the report.")
+    return " ".join(parts)
+
+
+def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` for floating tensors when given, else the module tensor's own dtype."""
+    if not rec.dtype.is_floating_point or not tensor.dtype.is_floating_point:
+        return tensor.dtype
+    return dtype if dtype is not None else tensor.dtype
+
+
+def _target_device(tensor: torch.Tensor, device: torch.device | None) -> torch.device:
+    if device is not None:
+        return device
+    return torch.device("cpu") if tensor.is_meta else tensor.device

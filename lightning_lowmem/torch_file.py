@@ -1,0 +1,162 @@
+"""Reading torch zip files (``torch.save``: ``.pt``, ``.pth``, ``.bin``, ``.ckpt``) one tensor at a time.
+
+The pickle inside is loaded with ``weights_only=True`` under a ``FakeTensorMode``:
+torch then builds every tensor without reading its data and records where its
+storage starts in the file (``untyped_storage()._checkpoint_offset``). Each
+tensor is later read on its own with ``os.preadv`` straight into the memory
+that becomes the parameter, so nothing maps the file and no page of it stays
+resident after the load.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError
+from lightning_lowmem.records import TensorRecord
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class _Location:
+    offset: int  # byte offset of the storage in the file
+    storage_nbytes: int
+    storage_offset: int  # in elements
+    stride: tuple[int, ...]
+    contiguous: bool
+
+
+def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+    """Fill the CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset``."""
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            raise CheckpointFormatError(
+                f"{path} ends at byte {offset + done}, but a tensor needs {len(buffer) - done} more bytes there. "
+                "The file is truncated: download or save it again."
+            )
+        done += n
+
+
+def _unsafe_reason(message: str) -> str:
+    """The line of torch's weights-only error that names the global it refused."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported global" in line]
+    return (named or lines or ["(no detail)"])[0]
+
+
+def _unwrap(obj: Any, path: Path) -> tuple[Mapping[str, Any], str]:
+    """The state dict inside a loaded checkpoint, and where it was found."""
+    if isinstance(obj, Mapping):
+        for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
+            inner = obj.get(entry)
+            if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
+                return inner, entry
+        if any(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj, ""
+    raise CheckpointFormatError(
+        f"{path} holds a {type(obj).__name__} with no tensors at its top level nor under 'state_dict' "
+        "(Lightning) or 'model' (Fabric). Save the model's state_dict() and load that file."
+    )
+
+
+class TorchZipFile:
+    """A ``torch.save`` zip archive, planned from its pickle and read tensor by tensor."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entry = ""
+        with open(path, "rb") as f:
+            if f.read(4) != ZIP_MAGIC:
+                raise CheckpointFormatError(
+                    f"{path} is not a torch zip archive; it may use torch's legacy format "
+                    "(_use_new_zipfile_serialization=False). Load it once with torch.load and save it again "
+                    "with torch.save (or safetensors.torch.save_file)."
+                )
+        self._check_byteorder()
+        state = self._load_fake()
+        self._records: dict[str, TensorRecord] = {}
+        self._locations: dict[str, _Location] = {}
+        size = path.stat().st_size
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            storage = value.untyped_storage()
+            loc = _Location(
+                offset=storage._checkpoint_offset,
+                storage_nbytes=storage.nbytes(),
+                storage_offset=value.storage_offset(),
+                stride=tuple(value.stride()),
+                contiguous=value.is_contiguous(),
+            )
+            if loc.offset + loc.storage_nbytes > size:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {key!r} needs bytes {loc.offset}..{loc.offset + loc.storage_nbytes}, "
+                    f"but the file has {size}. The file is truncated: download or save it again."
+                )
+            self._records[key] = TensorRecord(key=key, shape=tuple(value.shape), dtype=value.dtype, file=path)
+            self._locations[key] = loc
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def _check_byteorder(self) -> None:
+        try:
+            with zipfile.ZipFile(self.path) as z:
+                names = [n for n in z.namelist() if n.endswith("/byteorder")]
+                order = z.read(names[0]).decode() if names else "little"
+        except zipfile.BadZipFile as e:
+            raise CheckpointFormatError(
+                f"{self.path} is a damaged zip archive ({e}); it is most likely truncated. "
+                "Download or save it again."
+            ) from e
+        if order != "little":
+            raise CheckpointFormatError(f"{self.path} was saved on a {order}-endian machine; re-save it on this one.")
+
+    def _load_fake(self) -> Mapping[str, Any]:
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                obj = torch.load(self.path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{self.path} asks to run code when unpickled, and lightning_lowmem only loads data "
+                f"(weights_only=True). torch said: {_unsafe_reason(str(e))} "
+                "If you trust the file, allow the class with torch.serialization.add_safe_globals([...]); "
+                "better, save its state_dict() with safetensors.torch.save_file."
+            ) from e
+        except RuntimeError as e:
+            raise CheckpointFormatError(
+                f"{self.path} could not be read as a torch zip archive ({e}). It may be truncated: "
+                "download or save it again."
+            ) from e
+        state, self.entry = _unwrap(obj, self.path)
+        return state
+
+    def records(self) -> dict[str, TensorRecord]:
+        return self._records
+
+    def read(self, key: str) -> torch.Tensor:
+        rec, loc = self._records[key], self._locations[key]
+        itemsize = rec.dtype.itemsize
+        if loc.contiguous:
+            out = torch.empty(rec.shape, dtype=rec.dtype)
+            if rec.numel:
+                read_exactly(self._fd, out, loc.offset + loc.storage_offset * itemsize, self.path)
+            return out
+        # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
+        whole = torch.empty(loc.storage_nbytes // itemsize, dtype=rec.dtype)
+        read_exactly(self._fd, whole, loc.offset, self.path)
+        return whole.as_strided(rec.shape, loc.stride, loc.storage_offset).clone()
+
+    def close(self) -> None:
+        os.close(self._fd)
