@@ -147,8 +147,7 @@ def load_checkpoint(
                             missing=plan.missing, key_note=plan.prefix_note)
         _stream(module, ckpt, plan, quantizer, report, progress)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
-        if device is not None:
-            _move_buffers(module, device)
+        _finish_buffers(module, device, dtype)
         check_no_meta(module, f"After loading {files}")
         if quantizer is not None:
             report.quantized = quantizer.quantized
@@ -200,11 +199,14 @@ def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
                 table[leaf] = nn.Parameter(meta, requires_grad=old.requires_grad) if leaf in owner._parameters else meta
 
 
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them."""
     for mod in module.modules():
         for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
-                mod._buffers[name] = buf.to(device)
+            if buf is None or buf.is_meta:
+                continue
+            cast = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
+            mod._buffers[name] = buf.to(device=device or buf.device, dtype=cast)
 
 
 def _cuda_or_none(device: torch.device | None) -> torch.device | None:
