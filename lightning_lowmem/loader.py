@@ -25,8 +25,13 @@ from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recomp
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
 from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
+from lightning_lowmem.readahead import read_ahead
 
 log = logging.getLogger(__name__)
+
+# Bytes read ahead of the tensor being handled (see readahead.py): only where what is read
+# becomes the final tensor as it is (no cast, no move, no quantization), so it costs nothing.
+READ_AHEAD_FINAL = 512 * 2**20
 
 
 @dataclass
@@ -166,8 +171,8 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     loaded: list[list[str]] = []
     try:
         with torch.no_grad():
-            for target in plan.targets:
-                tensor = ckpt.read(target.record.key)
+            for target, tensor in read_ahead(plan.targets, lambda t: ckpt.read(t.record.key),
+                                             lambda t: t.record.nbytes, _window(plan, quantizer)):
                 tensor = tensor.to(dtype=target.dtype).to(device=target.device)
                 if quantizer is None or not quantizer.load(module, target.names[0], tensor):
                     assign(module, target.names, tensor, target.is_parameter)
@@ -182,6 +187,13 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     finally:
         bar.close()
     report.bytes_loaded = sum(_nbytes(t) for t in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
+
+
+def _window(plan: LoadPlan, quantizer: object) -> int:
+    """Bytes to read ahead: none when what is read is a transient copy, else READ_AHEAD_FINAL."""
+    transient = quantizer is not None or any(
+        t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
+    return 0 if transient else READ_AHEAD_FINAL
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -191,3 +191,15 @@ def test_report_is_readable(tmp_path, litgpt_model):
     assert f"Loaded {report.tensors} tensors" in text and "peak RSS" in text
     assert report.memory.rss_peak >= report.memory.rss_start > 0
     assert len(report.files) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_straight_to_cuda(tmp_path, litgpt_model):
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    model = _meta_gpt(litgpt_model.config)
+    report = load_checkpoint(model, path, device="cuda", dtype=torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    assert report.memory.device_peak is not None and report.memory.device_peak > 0
+    x = torch.randint(0, 96, (1, 8))
+    expected = _eager(litgpt_model, torch.bfloat16)(x)
+    torch.testing.assert_close(model.eval()(x.cuda()).cpu(), expected, rtol=2e-2, atol=2e-2)
