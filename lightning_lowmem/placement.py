@@ -8,7 +8,7 @@ reserves room for what a forward needs besides the weights:
                  (``lightning_lowmem.layers.cache_nbytes``; or ``kv_cache_bytes=``)
     activations  the largest layer's activations (``layers.activation_nbytes``; or ``activation_bytes=``)
     streaming    room for the layers streamed in from the CPU: the largest offloaded layer,
-                 twice when the next one is prefetched while the current one computes
+                 plus the second largest when the next one is prefetched while the current one computes
 
 Layers (whole transformer blocks, see :mod:`lightning_lowmem.layers`) then take
 the rest of the accelerator in module order; a layer that does not fit goes to
@@ -83,8 +83,9 @@ class PlacementPlan:
 
     @property
     def stream_bytes(self) -> int:
-        """Room reserved on the execution device for streamed-in layers."""
-        return self.stream_buffers * max((layer.nbytes for layer in self.offloaded), default=0)
+        """Room reserved on the execution device for streamed-in layers: the ``stream_buffers`` largest."""
+        sizes = sorted((layer.nbytes for layer in self.offloaded), reverse=True)
+        return sum(sizes[:self.stream_buffers])
 
     @property
     def prefetch(self) -> bool:
@@ -124,8 +125,9 @@ class PlacementPlan:
             lines.append(f"  {device:<10}{format_bytes(budget):>12}{format_bytes(weights[device]):>12}"
                          f"{format_bytes(reserved[device]):>12}{format_bytes(used[device]):>12}")
         lines.append(f"  reserved on {self.execution_device}: caches {format_bytes(self.cache_bytes)}, activations "
-                     f"{format_bytes(self.activation_bytes)}, streaming {self.stream_buffers} x largest offloaded "
-                     f"layer = {format_bytes(self.stream_bytes)}")
+                     f"{format_bytes(self.activation_bytes)}, streaming {format_bytes(self.stream_bytes)} "
+                     + (f"(the {self.stream_buffers} largest offloaded layers"
+                        f"{', for prefetch' if self.prefetch else ''})" if self.stream_buffers else "(none offloaded)"))
         lines += [f"  {name:<34}{size:>22}  {device}" for name, size, device in _runs(self.layers)]
         return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem import dispatch, enable_offload, init_empty, layer_offload, placement_plan, sequential_offload
+from lightning_lowmem import dispatch, enable_offload, layer_offload, placement_plan, sequential_offload
 from lightning_lowmem.offload import offloaded
 
 litgpt = pytest.importorskip("litgpt")
