@@ -21,8 +21,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lightning_lowmem.checkpoint import Checkpoint
+from lightning_lowmem.dtype_fallback import apply_dtype_fallback
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
+from lightning_lowmem.offload import Offload, dispatch
+from lightning_lowmem.placement import MaxMemory, PlacementPlan, apply_placement, parse_max_memory, plan_placement
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
 from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
 from lightning_lowmem.readahead import read_ahead
@@ -68,6 +71,8 @@ class LoadReport:
     quantized: dict[str, str] = field(default_factory=dict)
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
+    placement: PlacementPlan | None = None
+    offload: Offload | None = None
 
     def __str__(self) -> str:
         where = ", ".join(p.name for p in self.files[:3]) + (f" +{len(self.files) - 3}" if len(self.files) > 3 else "")
@@ -80,6 +85,10 @@ class LoadReport:
             schemes = sorted(set(self.quantized.values()))
             lines.append(f"  quantized {len(self.quantized)} modules with {', '.join(schemes)}: "
                          f"{format_bytes(self.quantized_bytes_before)} -> {format_bytes(self.quantized_bytes_after)}")
+        if self.placement is not None:
+            per_device = self.placement.weights_per_device()
+            lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())
+                         + f" ({len(self.placement.offloaded)} layers offloaded)")
         if self.key_note:
             lines.append(f"  keys: {self.key_note}")
         if self.skipped:
@@ -102,6 +111,8 @@ def load_checkpoint(
     strict: bool = True,
     key_map: KeyMap | None = None,
     progress: bool | None = None,
+    max_memory: MaxMemory | None = None,
+    context: int | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -124,6 +135,11 @@ def load_checkpoint(
             callable returning the module name (or None to skip the key). Without it, a
             single missing or extra top-level prefix is detected.
         progress: show a progress bar by bytes; default: when stderr is a terminal.
+        max_memory: device budgets, e.g. ``{"cuda:0": "6GiB", "cpu": "20GiB"}``, instead of
+            ``device``: a placement plan (:func:`lightning_lowmem.placement.placement_plan`) decides
+            each layer's device before any weight is read; layers on the CPU are then streamed to
+            the accelerator for their forward (``report.offload``, see :mod:`lightning_lowmem.offload`).
+        context: tokens of KV cache (prompt + max_new_tokens) the plan reserves room for.
 
     Returns:
         A :class:`LoadReport`.
@@ -131,6 +147,7 @@ def load_checkpoint(
     Raises:
         CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
         CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
+        MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
         UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
 
     Example::
@@ -141,12 +158,26 @@ def load_checkpoint(
         >>> report = load_checkpoint(model, "checkpoints/pythia-160m/lit_model.pth", dtype=torch.bfloat16)
         >>> print(report)
     """
+    if max_memory is not None and device is not None:
+        raise ValueError(f"Pass device={device!r} or max_memory=, not both: with max_memory the placement "
+                         "plan decides each layer's device.")
     device = torch.device(device) if device is not None else None
     spec = QuantizeSpec.parse(quantize, skip_quantize)  # bad names fail before any I/O
-    with Checkpoint.open(checkpoint) as ckpt, MemoryMonitor(device=_cuda_or_none(device)) as monitor:
+    watched = device
+    if max_memory is not None:  # the plan itself may name devices this machine lacks: it is arithmetic
+        execution = torch.device(parse_max_memory(max_memory)[1])
+        watched = execution if execution.type != "cuda" or torch.cuda.is_available() else None
+    with Checkpoint.open(checkpoint) as ckpt, MemoryMonitor(device=_cuda_or_none(watched)) as monitor:
         files = ", ".join(str(p) for p in ckpt.paths[:3]) + (" ..." if len(ckpt.paths) > 3 else "")
         plan = make_plan(module, ckpt.records, key_map=key_map, strict=strict, dtype=dtype,
                          device=device, files=files)
+        placement = None
+        if max_memory is not None:  # the plan decides each target's device, before any data is read
+            placement = plan_placement(module, plan, max_memory, context=context, dtype=dtype,
+                                       quantize=quantize, skip_quantize=skip_quantize)
+            apply_placement(plan, placement)
+            device = torch.device(placement.execution_device)  # buffers and caches go there
+        apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
         quantizer = prepare_quantization(module, spec, plan, device or torch.device("cpu"))
         report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected,
                             missing=plan.missing, key_note=plan.prefix_note)
@@ -154,6 +185,8 @@ def load_checkpoint(
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         _finish_buffers(module, device, dtype)
         check_no_meta(module, f"After loading {files}")
+        if placement is not None:
+            report.placement, report.offload = placement, dispatch(module, placement)
         if quantizer is not None:
             report.quantized = quantizer.quantized
             report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after

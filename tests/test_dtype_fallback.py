@@ -1,0 +1,81 @@
+"""bf16 -> fp16 fallback: on a device without bf16, a bf16 load converts each tensor and warns naming the device."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from lightning_lowmem import BF16FallbackWarning, assume_bf16_support, init_empty, load_checkpoint, supports_bf16
+from lightning_lowmem.dtype_fallback import fallback_dtype
+
+
+class Small(nn.Module):
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, dtype=dtype)
+        self.proj = nn.Linear(8, 8, dtype=dtype)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+
+def bf16_checkpoint(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in Small().state_dict().items()}
+    path = tmp_path / "small.safetensors"
+    save_file(state, path)
+    return str(path), state
+
+
+def test_bf16_load_falls_back_to_fp16_on_a_device_without_bf16(tmp_path):
+    path, state = bf16_checkpoint(tmp_path)
+    with init_empty():
+        model = Small()
+    with assume_bf16_support("cpu", False), pytest.warns(BF16FallbackWarning, match="cpu does not support bfloat16"):
+        load_checkpoint(model, path, dtype=torch.bfloat16)
+    assert model.proj.weight.dtype == torch.float16 and model.embed.weight.dtype == torch.float16
+    assert model.steps.dtype == torch.long  # integer tensors are untouched
+    assert torch.equal(model.proj.weight, state["proj.weight"].to(torch.float16))
+    assert torch.equal(model.embed.weight, state["embed.weight"].to(torch.float16))
+
+
+def test_a_model_built_in_bf16_falls_back_too(tmp_path):
+    path, state = bf16_checkpoint(tmp_path)
+    with init_empty():
+        model = Small(dtype=torch.bfloat16)
+    with assume_bf16_support("cpu", False), pytest.warns(BF16FallbackWarning) as record:
+        load_checkpoint(model, path)
+    assert len(record) == 1  # once per device, not once per tensor
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_no_fallback_where_bf16_is_supported_or_not_asked_for(tmp_path):
+    path, state = bf16_checkpoint(tmp_path)
+    with init_empty():
+        model = Small()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BF16FallbackWarning)
+        load_checkpoint(model, path, dtype=torch.bfloat16)
+        assert model.proj.weight.dtype == torch.bfloat16
+        with assume_bf16_support("cpu", False):
+            assert fallback_dtype(torch.float32, "cpu") == torch.float32
+
+
+def test_support_override_is_scoped_and_per_device():
+    assert supports_bf16("cpu")
+    with assume_bf16_support("cpu", False):
+        assert not supports_bf16("cpu") and not supports_bf16(torch.device("cpu"))
+        with assume_bf16_support("cpu", True):
+            assert supports_bf16("cpu")
+        assert not supports_bf16("cpu")
+    assert supports_bf16("cpu")
+    with assume_bf16_support("cuda:1", False), pytest.warns(BF16FallbackWarning, match="cuda:1"):
+        assert not supports_bf16("cuda:1")
+        assert fallback_dtype(torch.bfloat16, "cuda:1") == torch.float16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_support_follows_the_device():
+    assert supports_bf16("cuda:0") == torch.cuda.is_bf16_supported(including_emulation=False)
