@@ -27,7 +27,7 @@ from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, apply_placement, parse_max_memory, plan_placement
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
-from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
+from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
 from lightning_lowmem.readahead import read_ahead
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,7 @@ def load_checkpoint(
         _stream(module, ckpt, plan, quantizer, report, progress)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         _finish_buffers(module, device, dtype)
+        report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
         check_no_meta(module, f"After loading {files}")
         if placement is not None:
             report.placement, report.offload = placement, dispatch(module, placement)
@@ -219,7 +220,6 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         raise
     finally:
         bar.close()
-    report.bytes_loaded = sum(_nbytes(t) for t in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
 
 
 def _window(plan: LoadPlan, quantizer: object) -> int:
@@ -227,10 +227,6 @@ def _window(plan: LoadPlan, quantizer: object) -> int:
     transient = quantizer is not None or any(
         t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
     return 0 if transient else READ_AHEAD_FINAL
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return 0 if t.is_meta else t.untyped_storage().nbytes() if t.numel() else 0
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
