@@ -1,13 +1,17 @@
 """Quantize on load keeps the peak near the quantized model: measured in a fresh process.
 
 Model: a litgpt GPT of 109 M parameters (208 MiB in bf16; 6 layers of 12.6 M, the
-largest Linear 8 MiB in bf16). Measured on the 2-core development machine, the load's
-peak RSS above its start minus the final quantized bytes was 40-60 MiB (bnb.nf4,
-bnb.int8, torchao.int8wo, int8dq) and 76-80 MiB (bnb.fp4-dq): the weight being
-quantized, the temporaries of one block of rows, both copies of one quantized
-Linear while its blocks are joined, and what the allocator has not handed back yet.
-The bound below leaves ~35 MiB over the largest of the two schemes tested. A loader
-that kept the full-precision weights would peak above the bf16 size (208 MiB) and fail.
+largest Linear 4 Mi elements, 8 MiB in bf16). bitsandbytes weights are quantized in
+blocks of rows; the child process scales the block down to 1 Mi elements so that the
+largest Linear takes 4 blocks, as pythia-1b's do with the default 4 Mi.
+
+Measured on the 2-core development machine, the load's peak RSS above its start minus
+the final quantized bytes was 40-60 MiB (bnb.nf4, bnb.int8, torchao.int8wo, int8dq)
+and 76-80 MiB (bnb.fp4-dq): the weight being quantized, the temporaries of one block
+(torchao: of the whole weight), the quantized blocks while they are joined, and what
+the allocator has not handed back yet. The bound below leaves ~35 MiB over the
+largest of the two schemes tested. A loader that kept the full-precision weights
+would peak above the bf16 size (208 MiB) and fail.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ MARGIN = 96 * 2**20
 CHILD = """
 import json, sys, torch, litgpt
 import bitsandbytes, torchao.quantization  # imported before the measurement: their import is not the load's
+import lightning_lowmem.quantize.chunks as chunks
 from lightning_lowmem import init_empty, load_checkpoint
+chunks.CHUNK_ELEMENTS = 1 << 20  # the largest Linear in 4 blocks, as pythia-1b's with the default
 with init_empty():
     model = litgpt.GPT(litgpt.Config(**json.loads(sys.argv[1])))
 report = load_checkpoint(model, sys.argv[2], dtype=torch.bfloat16, quantize=sys.argv[3])
