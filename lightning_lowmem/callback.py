@@ -27,7 +27,7 @@ from torch import nn
 from lightning_lowmem.checkpoint import resolve_files
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.finetune import LoadOptions, load_for_finetuning
-from lightning_lowmem.lightning_state import has_meta, precision_dtype
+from lightning_lowmem.lightning_state import has_meta, module_to_device_skipping_meta, precision_dtype
 from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import format_bytes
@@ -119,6 +119,15 @@ class LowMemCallback(pl.Callback):
         missing = set(self.report.missing)
         self._frozen = {n for n, p in pl_module.named_parameters() if not p.requires_grad and n not in missing}
         self._frozen |= set(self.report.quantized)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if pl_module is None or not has_meta(pl_module):
+            return
+        # A load that failed leaves the model on meta, and the Trainer's teardown would now call
+        # pl_module.cpu(), which fails on meta and hides the real error. Do the move it wanted for the
+        # tensors that have data, and take the module out of the strategy's teardown.
+        module_to_device_skipping_meta(pl_module, torch.device("cpu"))
+        trainer.strategy._lightning_module = None
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:

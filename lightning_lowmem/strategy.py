@@ -58,8 +58,10 @@ class LowMemStrategy(SingleDeviceStrategy):
     * ``fabric.load_raw(path, model)`` and ``fabric.load(path, {"model": model, ...})`` stream the model's
       tensors through :func:`~lightning_lowmem.load_checkpoint`; the other entries (optimizer state, counters)
       load as in Lightning, and optimizers set up on the meta parameters are pointed at the loaded ones.
-    * Parameters the model adds beyond the checkpoint (LoRA adapters, new heads) are initialized when
-      ``strict=False`` (see :mod:`lightning_lowmem.finetune`).
+    * Trainable parameters the model adds beyond the checkpoint (LoRA adapters, new heads) are
+      initialized, even with ``strict=True`` (see :mod:`lightning_lowmem.finetune`); anything else
+      missing or unexpected fails under ``strict=True`` before a byte of weights is read.
+    * The weights' entry of a torch checkpoint is not returned in ``fabric.load``'s remainder.
 
     Args:
         device: the device; default: the one Fabric's ``accelerator``/``devices`` flags choose.
