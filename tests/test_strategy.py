@@ -225,3 +225,18 @@ def test_missing_frozen_parameter_is_an_error_before_reading(tmp_path, litgpt_mo
     with pytest.raises(MetaTensorError, match="ln_f.weight"):
         fabric.load_raw(write_checkpoint(state, "pth", tmp_path), model, strict=False)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    state = dict(litgpt_model.state_dict(), **{"extra.weight": torch.zeros(3)})
+    path = write_checkpoint(state, "safetensors", tmp_path)
+    fabric = _fabric("string", "32-true")
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    with pytest.raises(CheckpointMismatchError, match="extra.weight"):
+        fabric.load_raw(path, model)
+    assert fabric.load(path, {"model": model}, strict=False) == {}  # a bare weights file is the model's entry
+    assert fabric.strategy.reports[-1].skipped == ["extra.weight"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in litgpt_model.state_dict().items())
