@@ -24,7 +24,7 @@ from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
-from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
+from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +181,7 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         raise
     finally:
         bar.close()
-    report.bytes_loaded = sum(_nbytes(t) for t in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return 0 if t.is_meta else t.untyped_storage().nbytes() if t.numel() else 0
+    report.bytes_loaded = module_nbytes(module)  # quantized weights counted by their real storage
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
