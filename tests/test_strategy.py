@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_litgpt_config, write_checkpoint
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+from lightning_lowmem.quantize import QuantizeSpec
 from lightning_lowmem import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -18,6 +19,15 @@ from lightning_lowmem import (
     UnsupportedQuantizationError,
 )
 
+def _has_scheme(name: str) -> bool:
+    try:
+        QuantizeSpec.parse(name, None)
+    except UnsupportedQuantizationError:
+        return False
+    return True
+
+
+needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="needs quantize-on-load (branch quant)")
 DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 LORA_LINEAR = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
 
@@ -188,11 +198,11 @@ def test_bad_paths_fail_with_the_loaders_errors(tmp_path, litgpt_model):
     assert all(p.is_meta for p in model.parameters())  # nothing was read
 
 
-def _lora_config():
+def _lora_config(**overrides):
     from litgpt.lora import Config
 
-    return Config(**{k: v for k, v in vars(tiny_litgpt_config()).items() if k != "rope_n_elem"} | dict(
-        lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
+    base = {k: v for k, v in vars(tiny_litgpt_config(**overrides)).items() if k != "rope_n_elem"}
+    return Config(**base | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
 
 
 def test_added_lora_parameters_are_initialized(tmp_path, litgpt_model):
@@ -240,3 +250,59 @@ def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model):
     assert fabric.load(path, {"model": model}, strict=False) == {}  # a bare weights file is the model's entry
     assert fabric.strategy.reports[-1].skipped == ["extra.weight"]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in litgpt_model.state_dict().items())
+
+
+@needs_nf4
+@pytest.mark.parametrize("flag", ["options", "setup-before-load"])
+def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
+    """bnb.nf4 on CPU (BitsandbytesPrecision refuses CPU): quantized base frozen, LoRA trains, adapters reload."""
+    from litgpt import GPT
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import mark_only_lora_as_trainable
+
+    torch.manual_seed(0)
+    base = GPT(tiny_litgpt_config(n_embd=64)).eval()  # bnb's CPU kernel needs in_features >= 64
+    path = write_checkpoint(base.state_dict(), "pth", tmp_path)
+
+    def build():
+        fabric = L.Fabric(accelerator="cpu", precision="bf16-true",
+                          strategy=LowMemStrategy(quantize="bnb.nf4", key_map=lora_key_map))
+        with fabric.init_module():
+            model = LoRAGPT(_lora_config(n_embd=64))
+        mark_only_lora_as_trainable(model)
+        if flag == "setup-before-load":
+            model = fabric.setup_module(model)
+        fabric.load_raw(path, model)
+        return fabric, model if flag == "setup-before-load" else fabric.setup_module(model)
+
+    fabric, model = build()
+    assert type(model.transformer.h[0].attn.qkv.linear).__name__ == "Linear4bit"
+    assert len(fabric.strategy.reports[-1].quantized) == 9  # 2 layers x 4 Linears + lm_head (wrapped)
+    x = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        ours, reference = model(x).float(), _eager(base, torch.bfloat16)(x).float()
+    cos = torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0)
+    assert cos > 0.98
+
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2))
+    losses = []
+    for _ in range(6):
+        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0))
+        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 96), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+    trainable = {"model": lambda name, _: "lora_" in name}
+    fabric.save(tmp_path / "adapters.pt", {"model": model, "step": 6}, filter=trainable)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    fabric2, again = build()
+    assert fabric2.load(tmp_path / "adapters.pt", {"model": again}, strict=False) == {"step": 6}
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x), expected, rtol=0, atol=0)
