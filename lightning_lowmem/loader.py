@@ -148,6 +148,7 @@ def load_checkpoint(
         _stream(module, ckpt, plan, quantizer, report, progress)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         _finish_buffers(module, device, dtype)
+        report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
         check_no_meta(module, f"After loading {files}")
         if quantizer is not None:
             report.quantized = quantizer.quantized
@@ -181,7 +182,6 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         raise
     finally:
         bar.close()
-    report.bytes_loaded = module_nbytes(module)  # quantized weights counted by their real storage
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
