@@ -14,9 +14,11 @@ as ``self.model``), same random bf16 weights. Each method runs in its own fresh 
   ``configure_model``,
 - ``trainer-lowmem``: the same ``Trainer.predict`` with ``LowMemCallback(model.ckpt)``.
 
-Every process imports torch, lightning, litgpt and lightning_lowmem before it measures. The table
-gives the peak RSS of the measured block (build, load and, for the Trainer, one predict step on 8
-tokens) above the RSS just before it, as a multiple of the final model's bytes, and the process's
+Every process imports torch, lightning, litgpt and lightning_lowmem, then measures from the RSS
+just before it builds anything: the peak until the model is ready (for the Trainer: at
+``on_predict_start``, after restore and ``strategy.setup``), then the peak including one forward on
+8 tokens (the Trainer's predict step; a direct call for the others; on CPU, bitsandbytes repacks
+4-bit weights on the first inference forward, which costs memory of its own), and the process's
 lifetime peak above a bare ``import torch`` process.
 """
 
@@ -63,7 +65,7 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     import lightning as L
     from litgpt import GPT, Config
 
-    from lightning_lowmem import LowMemCallback, LowMemStrategy, MemoryMonitor, init_empty, load_checkpoint
+    from lightning_lowmem import LowMemCallback, MemoryMonitor
     from lightning_lowmem.memory import lifetime_peak_rss
 
     config = Config.from_name(model_name)
@@ -82,36 +84,55 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
 
     trainer_kwargs = dict(accelerator="cpu", devices=1, precision="bf16-true", logger=False,
                           enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    batch = torch.utils.data.DataLoader(torch.randint(0, config.vocab_size, (1, 8)), batch_size=1)
+    tokens = torch.randint(0, config.vocab_size, (1, 8))
+    ready: list[tuple[int, int]] = []  # (VmHWM, model bytes) when the model is ready, before its first forward
+
+    def mark_ready(module: torch.nn.Module) -> None:
+        ready.append((lifetime_peak_rss(), sum(t.numel() * t.element_size() for t in module.state_dict().values())))
+
     with MemoryMonitor() as mon:
-        if method.startswith("load_checkpoint"):
-            with init_empty():
-                model = GPT(config)
-            load_checkpoint(model, path, dtype=torch.bfloat16, quantize=quantize, progress=False,
-                            key_map={"model.": ""} if path.suffix == ".ckpt" else None)
-        elif method == "fabric":
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
-            with fabric.init_module(empty_init=True):
-                model = GPT(config)
-            fabric.load_raw(path, model)
-            model = fabric.setup(model)
-        elif method == "fabric-lowmem":
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true",
-                              strategy=LowMemStrategy(quantize=quantize) if quantize else "lowmem")
-            with fabric.init_module():
-                model = GPT(config)
-            fabric.load_raw(path, model)
-            model = fabric.setup(model)
-        elif method in ("trainer", "trainer-lowmem"):
+        if method in ("trainer", "trainer-lowmem"):
             model = Lit()
-            callbacks = [LowMemCallback(path, quantize=quantize)] if method == "trainer-lowmem" else []
+            callbacks = [L.pytorch.callbacks.LambdaCallback(on_predict_start=lambda _, m: mark_ready(m))]
+            callbacks += ([LowMemCallback(path, quantize=quantize)] if method == "trainer-lowmem" else [])
             trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
-            trainer.predict(model, batch, ckpt_path=path if method == "trainer" else None)
+            trainer.predict(model, torch.utils.data.DataLoader(tokens, batch_size=1),
+                            ckpt_path=path if method == "trainer" else None)
         else:
-            raise ValueError(method)
-    final = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return {"peak": mon.usage.rss_peak_delta, "lifetime_peak": lifetime_peak_rss(), "final": final,
-            "seconds": mon.usage.seconds}
+            model = load(method, config, path, quantize)
+            mark_ready(model)
+            with torch.no_grad():
+                model.eval()(tokens)  # eval, as in the Trainer's predict
+    return {"ready": ready[0][0] - mon.usage.rss_start, "peak": mon.usage.rss_peak_delta,
+            "lifetime_peak": lifetime_peak_rss(), "final": ready[0][1], "seconds": mon.usage.seconds}
+
+
+def load(method: str, config: object, path: Path, quantize: str | None) -> torch.nn.Module:
+    """Build and load the model the way ``method`` does (the Fabric and bare paths)."""
+    import lightning as L
+    from litgpt import GPT
+
+    from lightning_lowmem import LowMemStrategy, init_empty, load_checkpoint
+
+    if method.startswith("load_checkpoint"):
+        with init_empty():
+            model = GPT(config)
+        load_checkpoint(model, path, dtype=torch.bfloat16, quantize=quantize, progress=False,
+                        key_map={"model.": ""} if path.suffix == ".ckpt" else None)
+        return model
+    if method == "fabric":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+        with fabric.init_module(empty_init=True):
+            model = GPT(config)
+    elif method == "fabric-lowmem":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true",
+                          strategy=LowMemStrategy(quantize=quantize) if quantize else "lowmem")
+        with fabric.init_module():
+            model = GPT(config)
+    else:
+        raise ValueError(method)
+    fabric.load_raw(path, model)
+    return fabric.setup(model)
 
 
 def bare_torch_floor() -> int:
@@ -159,15 +180,17 @@ def main() -> None:
     print("versions: " + ", ".join(f"{n} {version(n)}" for n in ["torch", "lightning", "litgpt", "bitsandbytes"]))
     print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB")
     print()
-    print("| weights | method | checkpoint | block peak / final model | block peak (MiB) | final model (MiB) "
-          "| lifetime peak above bare torch (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weights | method | checkpoint | load peak (MiB) | load peak / bare load_checkpoint "
+          "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    bare = {scheme: r["ready"] for scheme, method, r in rows if method == "load_checkpoint" and "ready" in r}
     for scheme, method, r in rows:
         if "error" in r:
-            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | |")
+            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
             continue
-        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['peak'] / r['final']:.3f} | "
-              f"{r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | {(r['lifetime_peak'] - floor) / MiB:.0f} |")
+        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f} | "
+              f"{r['ready'] / bare[scheme]:.3f} | {r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | "
+              f"{(r['lifetime_peak'] - floor) / MiB:.0f} |")
 
 
 if __name__ == "__main__":
