@@ -180,16 +180,17 @@ def main() -> None:
     print("versions: " + ", ".join(f"{n} {version(n)}" for n in ["torch", "lightning", "litgpt", "bitsandbytes"]))
     print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB")
     print()
-    print("| weights | method | checkpoint | load peak (MiB) | load peak / bare load_checkpoint "
+    print("| weights | method | checkpoint | load peak (MiB) | load peak / load_checkpoint's (same file) "
           "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
     print("|---|---|---|---|---|---|---|---|")
-    bare = {scheme: r["ready"] for scheme, method, r in rows if method == "load_checkpoint" and "ready" in r}
+    bare = {(scheme, CHECKPOINT_OF[method]): r["ready"] for scheme, method, r in rows
+            if method.startswith("load_checkpoint") and "ready" in r}
     for scheme, method, r in rows:
         if "error" in r:
             print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
             continue
         print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f} | "
-              f"{r['ready'] / bare[scheme]:.3f} | {r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | "
+              f"{r['ready'] / bare[scheme, CHECKPOINT_OF[method]]:.3f} | {r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | "
               f"{(r['lifetime_peak'] - floor) / MiB:.0f} |")
 
 
