@@ -2,6 +2,7 @@
 
     python benchmarks/lightning_memory.py                          # pythia-1b config, random bf16 weights
     python benchmarks/lightning_memory.py --model pythia-160m --schemes bf16
+    python benchmarks/lightning_memory.py --schemes bnb.nf4 --repeats 3      # nf4 peaks vary run to run
 
 Writes the checkpoint once (cached in --workdir): a bare state dict ``lit_model.pth`` (keys of the
 GPT) and a Lightning ``model.ckpt`` (``state_dict`` with keys of a LightningModule holding the GPT
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from importlib.metadata import version
@@ -141,14 +143,38 @@ def bare_torch_floor() -> int:
     return next(int(line.split()[1]) * 1024 for line in out.stdout.splitlines() if line.startswith("VmHWM"))
 
 
-def run_fresh(method: str, model_name: str, path: Path, quantize: str | None) -> dict:
+def run_fresh(method: str, model_name: str, path: Path, quantize: str | None, repeats: int) -> dict:
+    """Median of ``repeats`` fresh processes (and the range of the load peak)."""
     cmd = [sys.executable, __file__, "--child", method, "--model", model_name, "--path", str(path)]
     cmd += ["--quantize", quantize] if quantize else []
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    result = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    result["ready_range"] = (min(r["ready"] for r in runs), max(r["ready"] for r in runs))
+    return result
+
+
+def print_table(rows: list[tuple[str, str, dict]], floor: int, repeats: int) -> None:
+    print(f"(median of {repeats} fresh processes per row; load peak range in brackets)" if repeats > 1 else "")
+    print("| weights | method | checkpoint | load peak (MiB) | load peak / load_checkpoint's (same file) "
+          "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    bare = {(scheme, CHECKPOINT_OF[method]): r["ready"] for scheme, method, r in rows
+            if method.startswith("load_checkpoint") and "ready" in r}
+    for scheme, method, r in rows:
+        if "error" in r:
+            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
+            continue
+        low, high = r["ready_range"]
+        spread = f" [{low / MiB:.0f}-{high / MiB:.0f}]" if repeats > 1 else ""
+        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f}{spread} | "
+              f"{r['ready'] / bare[scheme, CHECKPOINT_OF[method]]:.3f} | {r['peak'] / MiB:.0f} | "
+              f"{r['final'] / MiB:.0f} | {(r['lifetime_peak'] - floor) / MiB:.0f} |")
 
 
 def main() -> None:
@@ -156,6 +182,7 @@ def main() -> None:
     parser.add_argument("--model", default="pythia-1b", help="litgpt config name (default: pythia-1b)")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
     parser.add_argument("--schemes", nargs="*", default=["bf16", "bnb.nf4"])
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per row (median reported)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quantize", help=argparse.SUPPRESS)
@@ -173,25 +200,14 @@ def main() -> None:
             if quantize and method in ("fabric", "trainer"):  # BitsandbytesPrecision refuses CPU
                 rows.append((scheme, method, {"error": "n/a: Lightning's bitsandbytes plugin runs on CUDA only"}))
                 continue
-            rows.append((scheme, method, run_fresh(method, args.model, directory / CHECKPOINT_OF[method], quantize)))
+            path = directory / CHECKPOINT_OF[method]
+            rows.append((scheme, method, run_fresh(method, args.model, path, quantize, args.repeats)))
             print(f"  ran {scheme} / {method}", file=sys.stderr)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
     print("versions: " + ", ".join(f"{n} {version(n)}" for n in ["torch", "lightning", "litgpt", "bitsandbytes"]))
     print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB")
-    print()
-    print("| weights | method | checkpoint | load peak (MiB) | load peak / load_checkpoint's (same file) "
-          "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
-    bare = {(scheme, CHECKPOINT_OF[method]): r["ready"] for scheme, method, r in rows
-            if method.startswith("load_checkpoint") and "ready" in r}
-    for scheme, method, r in rows:
-        if "error" in r:
-            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
-            continue
-        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f} | "
-              f"{r['ready'] / bare[scheme, CHECKPOINT_OF[method]]:.3f} | {r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | "
-              f"{(r['lifetime_peak'] - floor) / MiB:.0f} |")
+    print_table(rows, floor, args.repeats)
 
 
 if __name__ == "__main__":

@@ -306,3 +306,27 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
     assert fabric2.load(tmp_path / "adapters.pt", {"model": again}, strict=False) == {"step": 6}
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
+def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize):
+    from litgpt import GPT
+
+    base = GPT(tiny_litgpt_config(n_embd=64)).eval() if quantize else litgpt_model
+    path = write_checkpoint(base.state_dict(), "safetensors", tmp_path)
+    fabric = L.Fabric(accelerator="cuda", devices=1, precision="bf16-true", strategy=LowMemStrategy(quantize=quantize))
+    assert fabric.strategy.root_device.type == "cuda"
+    with fabric.init_module():
+        model = GPT(base.config)
+    fabric.load_raw(path, model)
+    model = fabric.setup(model)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    x = torch.randint(0, 96, (2, 16), device="cuda")
+    with torch.no_grad():
+        ours, reference = model(x).float(), _eager(base, torch.bfloat16).cuda()(x).float()
+    if quantize is None:
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    else:
+        assert torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0) > 0.98
