@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import tiny_litgpt_config, write_checkpoint
-from test_strategy import _lora_config, lora_key_map
+from test_strategy import _has_scheme, _lora_config, lora_key_map
 from torch.utils.data import DataLoader
 
 from lightning_lowmem import (
@@ -15,19 +15,9 @@ from lightning_lowmem import (
     LowMemCallback,
     UnsupportedQuantizationError,
 )
-from lightning_lowmem.quantize import QuantizeSpec
-
-
-def _has_scheme(name: str) -> bool:
-    try:
-        QuantizeSpec.parse(name, None)
-    except UnsupportedQuantizationError:
-        return False
-    return True
-
 
 NF4 = pytest.param("bnb.nf4", marks=pytest.mark.skipif(not _has_scheme("bnb.nf4"),
-                                                       reason="needs quantize-on-load (branch quant)"))
+                                                       reason="the bnb.nf4 scheme is not available"))
 
 
 class LitGPT(L.LightningModule):

@@ -10,7 +10,6 @@ import torch
 from conftest import tiny_litgpt_config, write_checkpoint
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_lowmem.quantize import QuantizeSpec
 from lightning_lowmem import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -18,6 +17,8 @@ from lightning_lowmem import (
     MetaTensorError,
     UnsupportedQuantizationError,
 )
+from lightning_lowmem.quantize import QuantizeSpec
+
 
 def _has_scheme(name: str) -> bool:
     try:
@@ -27,7 +28,7 @@ def _has_scheme(name: str) -> bool:
     return True
 
 
-needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="needs quantize-on-load (branch quant)")
+needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="the bnb.nf4 scheme is not available")
 DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 LORA_LINEAR = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
 
@@ -121,15 +122,18 @@ def test_dtype_option_wins_over_precision(tmp_path, litgpt_model):
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
-def _train_steps(fabric, model, optimizer, steps=3):
+def _train_steps(fabric, model, optimizer, steps=3, same_batch=False) -> list[float]:
     torch.manual_seed(1)
+    losses = []
     for _ in range(steps):
-        batch = torch.randint(0, 96, (4, 17))
+        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0) if same_batch else None)
         logits = model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96).float(), batch[:, 1:].reshape(-1))
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def test_fabric_load_restores_model_optimizer_and_counters(tmp_path, litgpt_model):
@@ -286,14 +290,7 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
 
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2))
-    losses = []
-    for _ in range(6):
-        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0))
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 96), batch[:, 1:].reshape(-1))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train_steps(fabric, model, optimizer, steps=6, same_batch=True)
     assert losses[-1] < losses[0]
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
 
