@@ -1,5 +1,6 @@
 """lightning_lowmem: load, quantize and run large models in the memory of the final model."""
 
+from lightning_lowmem.callback import LowMemCallback
 from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
 from lightning_lowmem.dtype_fallback import BF16FallbackWarning, assume_bf16_support, supports_bf16
 from lightning_lowmem.errors import (
@@ -17,6 +18,7 @@ from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch, enable_offload, layer_offload, sequential_offload
 from lightning_lowmem.placement import PlacementPlan, placement_plan
+from lightning_lowmem.strategy import LowMemStrategy  # registers Fabric(strategy="lowmem")
 
 __version__ = "0.1.0.dev0"
 
@@ -28,7 +30,9 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "LoadReport",
+    "LowMemCallback",
     "LowMemError",
+    "LowMemStrategy",
     "MemoryBudgetError",
     "MemoryMonitor",
     "MemoryUsage",
