@@ -5,12 +5,17 @@ from lightning_lowmem.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
+    KVCacheTooShortError,
     LowMemError,
     MemoryBudgetError,
     MetaTensorError,
     UnsafeCheckpointError,
     UnsupportedQuantizationError,
 )
+from lightning_lowmem.estimate import MemoryEstimate, estimate_memory
+from lightning_lowmem.generate import GenerateResult, GenerationMemory, generate
+from lightning_lowmem.kv_cache import CacheBytes, cache_bytes, setup_kv_cache
+from lightning_lowmem.litgpt_patch import patch_litgpt, unpatch_litgpt
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
@@ -18,20 +23,31 @@ from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "CacheBytes",
     "Checkpoint",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "GenerateResult",
+    "GenerationMemory",
+    "KVCacheTooShortError",
     "LoadReport",
     "LowMemError",
     "MemoryBudgetError",
+    "MemoryEstimate",
     "MemoryMonitor",
     "MemoryUsage",
     "MetaTensorError",
     "UnsafeCheckpointError",
     "UnsupportedQuantizationError",
+    "cache_bytes",
+    "estimate_memory",
     "format_bytes",
+    "generate",
     "init_empty",
     "load_checkpoint",
+    "patch_litgpt",
+    "setup_kv_cache",
+    "unpatch_litgpt",
 ]

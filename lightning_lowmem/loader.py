@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lightning_lowmem.cache_guard import release_all_rope
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
@@ -97,6 +99,7 @@ def load_checkpoint(
     strict: bool = True,
     key_map: KeyMap | None = None,
     progress: bool | None = None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -119,6 +122,8 @@ def load_checkpoint(
             callable returning the module name (or None to skip the key). Without it, a
             single missing or extra top-level prefix is detected.
         progress: show a progress bar by bytes; default: when stderr is a terminal.
+        transform: called as ``transform(module_name, tensor)`` on each tensor as read, before the
+            cast and quantization; returns the tensor to load (same shape as the module's).
 
     Returns:
         A :class:`LoadReport`.
@@ -145,7 +150,8 @@ def load_checkpoint(
         quantizer = prepare_quantization(module, spec, plan, device or torch.device("cpu"))
         report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected,
                             missing=plan.missing, key_note=plan.prefix_note)
-        _stream(module, ckpt, plan, quantizer, report, progress)
+        release_all_rope(module, device or torch.device("cpu"))  # litgpt's RoPE tables: sized when first used
+        _stream(module, ckpt, plan, quantizer, report, progress, transform)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         if device is not None:
             _move_buffers(module, device)
@@ -160,7 +166,7 @@ def load_checkpoint(
 
 
 def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, report: LoadReport,
-            progress: bool | None) -> None:
+            progress: bool | None, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     show = progress if progress is not None else sys.stderr.isatty()
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not show, leave=False)
@@ -169,6 +175,8 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         with torch.no_grad():
             for target in plan.targets:
                 tensor = ckpt.read(target.record.key)
+                if transform is not None:  # e.g. litgpt's qkv reassembly of an HF checkpoint
+                    tensor = transform(target.names[0], tensor)
                 tensor = tensor.to(dtype=target.dtype).to(device=target.device)
                 if quantizer is None or not quantizer.load(module, target.names[0], tensor):
                     assign(module, target.names, tensor, target.is_parameter)

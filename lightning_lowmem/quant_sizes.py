@@ -1,0 +1,84 @@
+"""Bytes of a quantized ``nn.Linear`` weight, per scheme, from its shape alone.
+
+For an ``(out_features, in_features)`` weight of ``n = out * in`` elements:
+
+============================  =========================================================  ===========
+scheme                        bytes                                                      ~ per param
+============================  =========================================================  ===========
+``bnb.nf4`` / ``bnb.fp4``     ``ceil(n/2)`` 4-bit codes + fp32 absmax per 64-block        0.5625
+                              (``4 * ceil(n/64)``)
+``bnb.nf4-dq``/``bnb.fp4-dq`` ``ceil(n/2)`` + uint8 absmax per 64-block (``ceil(n/64)``)  0.5159
+                              + fp32 absmax of those per 256 (``4 * ceil(ceil(n/64)/256)``)
+                              + fp32 offset (4)
+``bnb.int8``                  int8 ``n`` + fp32 scale per row (``4 * out``)                1 + 4/in
+``torchao.int8wo``/``int8dq`` int8 ``n`` + fp32 scale + int8 zero point per row            1 + 5/in
+                              (``5 * out``)
+``torchao.int4wo``            ``ceil(n/2)`` + bf16 scale and zero per 128-group            0.53125
+                              (``4 * ceil(n/128)``)
+============================  =========================================================  ===========
+
+Measured on CPU (bitsandbytes 0.50.2 ``quantize_4bit`` / ``int8_vectorwise_quant``,
+torchao 0.18 ``Int8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig``):
+every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao's
+``Int4WeightOnlyConfig(group_size=128)`` layout, not measured here).
+
+``transient`` is the extra memory the quantization kernel holds while it
+quantizes one tensor, in bytes per element of that tensor, on top of its input
+and its output: measured on CPU on a 4096 x 4096 bf16 weight with the kernel
+called on the whole tensor (peak RSS delta minus the output). A loader that
+quantizes in row chunks needs less; re-measure against the loader in use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_lowmem.errors import UnsupportedQuantizationError
+
+
+@dataclass(frozen=True)
+class SchemeSize:
+    """How many bytes a scheme stores for a weight, and the transient while quantizing it."""
+
+    name: str
+    code_bits: int
+    block: int = 0            # elements per block scale (0: none)
+    block_scale_bytes: float = 0.0
+    row_bytes: int = 0        # bytes per output row (per-row scales, zero points)
+    double_quant: bool = False
+    transient: float = 0.0    # bytes per element held by the kernel while quantizing (CPU, measured)
+
+    def nbytes(self, out_features: int, in_features: int) -> int:
+        """Bytes stored for an ``(out_features, in_features)`` weight."""
+        n = out_features * in_features
+        total = math.ceil(n * self.code_bits / 8) + self.row_bytes * out_features
+        if self.block:
+            blocks = math.ceil(n / self.block)
+            if self.double_quant:  # absmax as uint8, with fp32 absmax per 256 of them and one fp32 offset
+                total += blocks + 4 * math.ceil(blocks / 256) + 4
+            else:
+                total += math.ceil(blocks * self.block_scale_bytes)
+        return total
+
+
+_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "transient": 13.7}
+SCHEMES: dict[str, SchemeSize] = {
+    "bnb.nf4": SchemeSize("bnb.nf4", **_BNB4),
+    "bnb.fp4": SchemeSize("bnb.fp4", **_BNB4),
+    "bnb.nf4-dq": SchemeSize("bnb.nf4-dq", **_BNB4, double_quant=True),
+    "bnb.fp4-dq": SchemeSize("bnb.fp4-dq", **_BNB4, double_quant=True),
+    "bnb.int8": SchemeSize("bnb.int8", code_bits=8, row_bytes=4, transient=9.0),
+    "torchao.int8wo": SchemeSize("torchao.int8wo", code_bits=8, row_bytes=5, transient=7.0),
+    "torchao.int8dq": SchemeSize("torchao.int8dq", code_bits=8, row_bytes=5, transient=7.0),
+    "torchao.int4wo": SchemeSize("torchao.int4wo", code_bits=4, block=128, block_scale_bytes=4.0, transient=7.0),
+}
+
+
+def scheme_size(quantize: str) -> SchemeSize:
+    """The :class:`SchemeSize` of a scheme in litgpt's / torchao's spelling."""
+    try:
+        return SCHEMES[quantize]
+    except KeyError:
+        raise UnsupportedQuantizationError(
+            f"Unknown quantization scheme {quantize!r}; known: {', '.join(SCHEMES)}.") from None
