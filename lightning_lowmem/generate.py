@@ -111,7 +111,7 @@ def load_for_generation(
     device: torch.device | str | None = None,
     config: Any | None = None,
 ) -> tuple[nn.Module, Any | None, LoadReport]:
-    """The load step shared by :func:`generate` and ``examples/generate.py``: ``(model, tokenizer, report)``."""
+    """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``."""
     checkpoint = LitgptCheckpoint.find(checkpoint_dir, config)
     model, report = load_litgpt(checkpoint, device=device, dtype=precision_dtype(precision), quantize=quantize)
     return model, checkpoint.tokenizer, report
@@ -185,14 +185,14 @@ def generate(
         raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}.")
     import litgpt.generate.base  # noqa: F401  (imported before the monitor starts: its import is no model memory)
 
+    found = None if isinstance(checkpoint, nn.Module) else LitgptCheckpoint.find(checkpoint, config)
+    tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     with MemoryMonitor(device=_cuda(device)) as monitor:
         report = None
-        if isinstance(checkpoint, nn.Module):
+        if found is None:
             model = unwrap_model(checkpoint)
         else:
-            model, found, report = load_for_generation(checkpoint, quantize=quantize, precision=precision,
-                                                       device=device, config=config)
-            tokenizer = tokenizer or found
+            model, report = load_litgpt(found, device=device, dtype=precision_dtype(precision), quantize=quantize)
         ids = encode_prompt(prompt, tokenizer, next(model.parameters()).device)
         result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
         _run_samples(model, ids, result, tokenizer, max_new_tokens, num_samples, seed,

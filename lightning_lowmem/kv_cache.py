@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_lowmem.cache_guard import install_cache_guard, resize_rope
+from lightning_lowmem.cache_guard import install_cache_guard, is_litgpt_like, resize_rope
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import format_bytes
 
@@ -106,13 +106,15 @@ def setup_kv_cache(
                 cache.k.zero_()
                 cache.v.zero_()
             return 0
-        before = _storages(model)
         model.clear_kv_cache()  # free the old caches before allocating the new ones
         resize_rope(model, max_seq_length, device, dtype)
         _build_mask(model, max_seq_length, device)
+        kept = _storages(model)
         _raw_set_kv_cache(model)(model, batch_size, max_seq_length=max_seq_length, device=device, dtype=dtype)
     install_cache_guard(model)
-    return sum(nbytes for ptr, nbytes in _storages(model).items() if ptr not in before)
+    if is_litgpt_like(model):  # k/v, mask and RoPE were all rebuilt
+        return cache_bytes(model).total
+    return sum(nbytes for ptr, nbytes in _storages(model).items() if ptr not in kept)
 
 
 def cache_bytes(model: nn.Module) -> CacheBytes:

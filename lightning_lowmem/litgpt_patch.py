@@ -13,6 +13,12 @@ litgpt 0.5.13, read in its source, allocates more than a request needs in four p
 * A request past a fixed cache (``distribute(fixed_kv_cache_size=...)``) fails
   with ``IndexError: index out of range in self`` from the mask lookup.
 
+And its single-device load (``LLM.load`` / ``LLM.distribute`` without
+quantization) builds the model with random weights, then copies the checkpoint
+over them; patched, it builds on meta and streams the checkpoint in with
+:func:`~lightning_lowmem.load_checkpoint`, so the patched API peaks where
+``lightning_lowmem.generate`` does.
+
 :func:`patch_litgpt` replaces those methods with wrappers that go through
 :func:`~lightning_lowmem.setup_kv_cache` (model dtype, model device, RoPE,
 mask and k/v sized to the request, reuse when a request fits) and raise
@@ -23,7 +29,10 @@ or use the return value as a context manager).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +42,7 @@ from torch import nn
 from lightning_lowmem.cache_guard import release_all_rope
 from lightning_lowmem.errors import KVCacheTooShortError
 from lightning_lowmem.kv_cache import model_device, model_dtype, setup_kv_cache, unwrap_model
+from lightning_lowmem.loader import load_checkpoint
 
 _ORIGINALS: dict[tuple[type, str], Any] = {}
 
@@ -159,9 +169,15 @@ def _prepare_llm_caches(llm: Any, needed: int) -> None:
 
 
 def _llm_distribute(original: Any) -> Any:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def distribute(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        stream = bound.arguments["generate_strategy"] is None and bound.arguments["quantize"] is None
+        with _streamed_weights() if stream else contextlib.nullcontext():
+            original(self, *args, **kwargs)
         if self.generate_strategy is None and not self.fixed_kv_cache_size:
             model = unwrap_model(self.model)
             release_all_rope(model, model_device(model))
@@ -170,12 +186,47 @@ def _llm_distribute(original: Any) -> Any:
 
 def _llm_load(original: Any) -> Any:
     function = original.__func__
+    signature = inspect.signature(function)
 
     @functools.wraps(function)
     def load(cls: type, *args: Any, **kwargs: Any) -> Any:
-        llm = function(cls, *args, **kwargs)
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.apply_defaults()
+        stream = bound.arguments["init"] == "pretrained" and bound.arguments["distribute"] == "auto"
+        with _streamed_weights() if stream else contextlib.nullcontext():
+            llm = function(cls, *args, **kwargs)
         if llm is not None and llm.model is not None:
             model = unwrap_model(llm.model)
             release_all_rope(model, model_device(model))
         return llm
     return classmethod(_mark(load, original))
+
+
+@contextlib.contextmanager
+def _streamed_weights() -> Iterator[None]:
+    """Inside, ``litgpt.api`` builds ``GPT`` on meta and streams ``lit_model.pth`` into it.
+
+    litgpt's single-device load builds the model with real (randomly initialised)
+    weights and copies the checkpoint over them with ``load_state_dict``; this
+    swaps the two names ``litgpt.api`` uses for that, ``GPT`` and
+    ``load_checkpoint``, for :func:`~lightning_lowmem.load_checkpoint`'s path, so
+    the patched API holds the weights once, as ``lightning_lowmem.generate`` does.
+    """
+    from litgpt import api
+
+    saved = api.GPT, api.load_checkpoint
+    api.GPT, api.load_checkpoint = _meta_gpt, _stream_checkpoint
+    try:
+        yield
+    finally:
+        api.GPT, api.load_checkpoint = saved
+
+
+def _meta_gpt(config: Any) -> nn.Module:
+    from lightning_lowmem.litgpt_load import build_meta_gpt
+
+    return build_meta_gpt(config)  # in the dtype Fabric's init_module set as default
+
+
+def _stream_checkpoint(fabric: Any, model: nn.Module, checkpoint_path: Any, strict: bool = True) -> None:
+    load_checkpoint(model, checkpoint_path, device=fabric.device, strict=strict)
