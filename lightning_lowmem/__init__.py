@@ -1,5 +1,6 @@
 """lightning_lowmem: load, quantize and run large models in the memory of the final model."""
 
+from lightning_lowmem.callback import LowMemCallback
 from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
 from lightning_lowmem.errors import (
     CheckpointError,
@@ -19,6 +20,7 @@ from lightning_lowmem.litgpt_patch import patch_litgpt, unpatch_litgpt
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
+from lightning_lowmem.strategy import LowMemStrategy  # registers Fabric(strategy="lowmem")
 
 __version__ = "0.1.0.dev0"
 
@@ -33,7 +35,9 @@ __all__ = [
     "GenerationMemory",
     "KVCacheTooShortError",
     "LoadReport",
+    "LowMemCallback",
     "LowMemError",
+    "LowMemStrategy",
     "MemoryBudgetError",
     "MemoryEstimate",
     "MemoryMonitor",

@@ -53,6 +53,12 @@ def sniff(path: Path) -> str:
         return "safetensors"
     if head.lstrip()[:1] == b"{":
         return "index"
+    if head[:1] == b"\x80":  # a bare pickle: torch.save(..., _use_new_zipfile_serialization=False)
+        raise CheckpointFormatError(
+            f"{path} is a bare pickle (torch's legacy format), which cannot be read without unpickling "
+            "everything at once. Load it once with torch.load(weights_only=True) and save it again with "
+            "torch.save (or safetensors.torch.save_file)."
+        )
     raise CheckpointFormatError(
         f"{path} is neither a safetensors file, a torch zip archive nor a JSON index (first bytes: {head!r}). "
         "Pass a .safetensors file, a torch.save file, a *.index.json or a directory holding them."
@@ -103,7 +109,7 @@ def _files_of_index(index: Path) -> list[Path]:
             f"{index} is not a sharded-checkpoint index (no 'weight_map' in valid JSON: {e}). "
             "Pass the index that save_pretrained wrote, or a checkpoint file."
         ) from e
-    shards = list(dict.fromkeys(weight_map.values()))
+    shards = sorted(set(weight_map.values()))
     missing = [s for s in shards if not (index.parent / s).is_file()]
     if missing:
         keys = [k for k, s in weight_map.items() if s in missing]

@@ -26,7 +26,7 @@ from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
-from lightning_lowmem.quantize import QuantizeSpec, prepare_quantization
+from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,8 @@ def load_checkpoint(
         release_all_rope(module, device or torch.device("cpu"))  # litgpt's RoPE tables: sized when first used
         _stream(module, ckpt, plan, quantizer, report, progress, transform)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
-        if device is not None:
-            _move_buffers(module, device)
+        _finish_buffers(module, device, dtype)
+        report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
         check_no_meta(module, f"After loading {files}")
         if quantizer is not None:
             report.quantized = quantizer.quantized
@@ -190,11 +190,6 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         raise
     finally:
         bar.close()
-    report.bytes_loaded = sum(_nbytes(t) for t in module.parameters()) + sum(_nbytes(b) for b in module.buffers())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return 0 if t.is_meta else t.untyped_storage().nbytes() if t.numel() else 0
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
@@ -208,11 +203,14 @@ def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
                 table[leaf] = nn.Parameter(meta, requires_grad=old.requires_grad) if leaf in owner._parameters else meta
 
 
-def _move_buffers(module: nn.Module, device: torch.device) -> None:
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them."""
     for mod in module.modules():
         for name, buf in mod._buffers.items():
-            if buf is not None and buf.device != device:
-                mod._buffers[name] = buf.to(device)
+            if buf is None or buf.is_meta:
+                continue
+            cast = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
+            mod._buffers[name] = buf.to(device=device or buf.device, dtype=cast)
 
 
 def _cuda_or_none(device: torch.device | None) -> torch.device | None:

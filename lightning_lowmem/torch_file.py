@@ -125,8 +125,10 @@ class TorchZipFile:
 
     def _load_fake(self) -> Mapping[str, Any]:
         try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                obj = torch.load(self.path, map_location="cpu", weights_only=True)
+            # A file object, not the path: torch >= 2.13 hands any path ending in .safetensors to
+            # safetensors, and we go by content, not by name.
+            with open(self.path, "rb") as f, FakeTensorMode(allow_non_fake_inputs=True):
+                obj = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             raise UnsafeCheckpointError(
                 f"{self.path} asks to run code when unpickled, and lightning_lowmem only loads data "

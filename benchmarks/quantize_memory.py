@@ -1,0 +1,322 @@
+"""Quantize on load vs load-then-quantize: peak host memory, final bytes, time and logit quality.
+
+Model: litgpt's ``pythia-1b`` config (1.01 B parameters, 2.02 GB in bf16) with random
+weights (seed 0, litgpt's own init, built directly in bf16), written once as one
+safetensors file. The transformers rows read the *same* weights, converted to the HF
+GPTNeoX layout with litgpt's ``copy_weights_gpt_neox`` and written by
+``GPTNeoXForCausalLM.save_pretrained``. Both files are cached under ``--workdir``.
+
+Every method runs in a fresh subprocess. Columns:
+
+* ``peak/bf16``: the process's peak RSS (``VmHWM``) during build + load + quantize, minus
+  the peak RSS of a process that only ran ``import torch``, over the bf16 model bytes. It
+  includes the imports (litgpt alone adds ~200 MB, 0.10x);
+* ``load peak/bf16``: the same peak minus the RSS after the imports, before the model is built:
+  what building, loading and quantizing cost;
+* ``final``: bytes of the loaded model's parameters and buffers (quantized tensors counted
+  by their inner storage, see ``lightning_lowmem.quantize.module_nbytes``);
+* ``peak with forward/bf16``: the peak after one forward on the quality batch (mmap-backed
+  weights are only paged in by their first use);
+* ``seconds``: build + load + quantize wall time, imports excluded;
+* ``cosine`` / ``SQNR``: logits (float64) on a fixed batch of 2 x 32 tokens against the same
+  family's bf16 model (litgpt rows vs the lightning_lowmem bf16 load, transformers rows vs
+  transformers bf16).
+
+Usage::
+
+    python benchmarks/quantize_memory.py [--workdir DIR] [--only SUBSTRING ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "pythia-1b"
+BATCH = (2, 32)  # (batch, tokens) of the fixed quality batch
+
+# name -> (family, description); the worker dispatches on the prefix before ":"
+METHODS: dict[str, str] = {
+    "lowmem:bf16": "lightning_lowmem, bf16 (no quantization)",
+    "hf:bf16": "transformers from_pretrained, bf16",
+    "after-torchao:int8wo": "torchao: load, then quantize_ int8wo",
+    "after-torchao:int8dq": "torchao: load, then quantize_ int8dq",
+    "after-bnb:nf4": "bitsandbytes: load, then swap + .to() nf4",
+    "after-bnb:int8": "bitsandbytes: load, then swap + .to() int8",
+    "hf-torchao:int8wo": "transformers + TorchAoConfig int8wo",
+    "hf-bnb:nf4": "transformers + BitsAndBytesConfig nf4",
+    "hf-bnb:int8": "transformers + BitsAndBytesConfig int8",
+    **{f"lowmem:{s}": f"lightning_lowmem {s}" for s in (
+        "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8",
+        "torchao.int8wo", "torchao.int8dq", "torchao.int4wo")},
+    "lowmem:bnb.nf4:all": "lightning_lowmem bnb.nf4, lm_head quantized too",
+    "lowmem:bnb.int8:all": "lightning_lowmem bnb.int8, lm_head quantized too",
+    "lowmem:torchao.int8wo:all": "lightning_lowmem torchao.int8wo, lm_head quantized too",
+}
+
+
+# ---------------------------------------------------------------- measurements (worker side)
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _lit_config():
+    from litgpt import Config
+
+    return Config.from_name(MODEL)
+
+
+def _batch() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, _lit_config().vocab_size, BATCH, generator=gen)
+
+
+def _skip_lm_head(module: torch.nn.Module, fqn: str) -> bool:
+    return type(module) is torch.nn.Linear and fqn not in ("lm_head", "embed_out")
+
+
+def _build_lowmem(workdir: Path, scheme: str) -> torch.nn.Module:
+    from litgpt import GPT
+
+    from lightning_lowmem import init_empty, load_checkpoint
+
+    name, _, extent = scheme.partition(":")
+    with init_empty():
+        model = GPT(_lit_config())
+    load_checkpoint(model, workdir / f"{MODEL}-bf16.safetensors", dtype=torch.bfloat16,
+                    quantize=None if name == "bf16" else name, skip_quantize=[] if extent == "all" else None)
+    return model
+
+
+def _load_then(workdir: Path) -> torch.nn.Module:
+    """The usual idiom: meta model, ``load_file`` (mmap), ``load_state_dict(assign=True)``."""
+    from litgpt import GPT
+    from safetensors.torch import load_file
+
+    with torch.device("meta"):
+        model = GPT(_lit_config())
+    model.load_state_dict(load_file(workdir / f"{MODEL}-bf16.safetensors"), assign=True)
+    model.cos, model.sin = model.rope_cache(device=torch.device("cpu"))  # non-persistent, left on meta
+    return model
+
+
+def _build_after_torchao(workdir: Path, scheme: str) -> torch.nn.Module:
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    model = _load_then(workdir)
+    config = {"int8wo": Int8WeightOnlyConfig, "int8dq": Int8DynamicActivationInt8WeightConfig}[scheme]()
+    quantize_(model, config, filter_fn=_skip_lm_head)
+    return model
+
+
+def _build_after_bnb(workdir: Path, scheme: str) -> torch.nn.Module:
+    import bitsandbytes as bnb
+
+    model = _load_then(workdir)
+    for name, mod in list(model.named_modules()):
+        if not _skip_lm_head(mod, name):
+            continue
+        if scheme == "int8":
+            new = bnb.nn.Linear8bitLt(mod.in_features, mod.out_features, mod.bias is not None,
+                                      has_fp16_weights=False, threshold=6.0, device="meta")
+            new.weight = bnb.nn.Int8Params(mod.weight.data, requires_grad=False, has_fp16_weights=False)
+        else:
+            new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, mod.bias is not None,
+                                    compute_dtype=torch.bfloat16, quant_type=scheme, device="meta")
+            new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, quant_type=scheme, module=new)
+        new.bias = mod.bias
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, new)
+    return model.to("cpu")  # bitsandbytes quantizes on .to(device)
+
+
+def _build_hf(workdir: Path, scheme: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TorchAoConfig
+
+    configs = {"bf16": lambda: None,
+               "int8wo": lambda: TorchAoConfig(__import__("torchao.quantization").quantization.Int8WeightOnlyConfig()),
+               "nf4": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                 bnb_4bit_compute_dtype=torch.bfloat16),
+               "int8": lambda: BitsAndBytesConfig(load_in_8bit=True)}
+    return AutoModelForCausalLM.from_pretrained(workdir / f"{MODEL}-hf", dtype=torch.bfloat16, device_map="cpu",
+                                                quantization_config=configs[scheme]())
+
+
+BUILDERS = {"lowmem": _build_lowmem, "after-torchao": _build_after_torchao, "after-bnb": _build_after_bnb,
+            "hf": _build_hf, "hf-torchao": _build_hf, "hf-bnb": _build_hf}
+
+
+def _import_for(kind: str) -> None:
+    """Import what the method needs before the clock starts (its RSS shows in ``imports``)."""
+    import litgpt  # noqa: F401
+
+    import lightning_lowmem.quantize  # noqa: F401  (module_nbytes for the final bytes)
+
+    if "bnb" in kind:
+        import bitsandbytes  # noqa: F401
+    if "torchao" in kind or kind == "hf-torchao":
+        import torchao.quantization  # noqa: F401
+    if kind.startswith("hf"):
+        import transformers  # noqa: F401
+
+
+def _logits(model: torch.nn.Module, family: str) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model(_batch())
+    return (out.logits if family == "hf" else out).double()
+
+
+def worker(method: str, workdir: Path) -> dict:
+    """Run one method in this (fresh) process; return its measurements."""
+    if method == "floor":
+        return {"peak": _status("VmHWM")}
+    kind, _, scheme = method.partition(":")
+    _import_for(kind)
+    rss_imports = _status("VmHWM")
+    rss_before = _status("VmRSS")
+    t0 = time.perf_counter()
+    model = BUILDERS[kind](workdir, scheme)
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM")
+    from lightning_lowmem.quantize import module_nbytes
+
+    family = "hf" if kind.startswith("hf") else "lit"
+    logits = _logits(model, family)
+    peak_forward = _status("VmHWM")
+    ref_path = workdir / f"ref-logits-{family}.pt"
+    if scheme == "bf16":
+        torch.save(logits, ref_path)
+    ref = torch.load(ref_path)
+    cos = torch.nn.functional.cosine_similarity(logits.flatten(), ref.flatten(), dim=0).item()
+    err = (logits - ref).pow(2).sum().item()
+    sqnr = float("inf") if err == 0 else 10 * torch.log10(ref.pow(2).sum() / err).item()
+    return {"imports": rss_imports, "peak": peak, "peak_forward": peak_forward, "final": module_nbytes(model),
+            "before": rss_before, "seconds": seconds,
+            "cosine": cos, "sqnr": sqnr}
+
+
+# ---------------------------------------------------------------- checkpoints (prepared once, in a subprocess)
+
+def prepare(workdir: Path) -> None:
+    """Write the random bf16 litgpt checkpoint and its HF GPTNeoX twin, unless cached."""
+    from litgpt import GPT
+    from safetensors.torch import save_file
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    lit_path, hf_dir = workdir / f"{MODEL}-bf16.safetensors", workdir / f"{MODEL}-hf"
+    if not lit_path.exists():
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)  # build in bf16: 2 GB, not 4
+        model = GPT(_lit_config())
+        torch.set_default_dtype(torch.float32)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(lit_path) + ".tmp")
+        os.replace(str(lit_path) + ".tmp", lit_path)
+        del model
+    if not (hf_dir / "model.safetensors").exists():
+        _write_hf(lit_path, hf_dir)
+
+
+def _write_hf(lit_path: Path, hf_dir: Path) -> None:
+    from litgpt.scripts.convert_lit_checkpoint import copy_weights_gpt_neox
+    from safetensors.torch import load_file
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    c = _lit_config()
+    hf_config = GPTNeoXConfig(
+        vocab_size=c.padded_vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, intermediate_size=c.intermediate_size, rotary_pct=c.rotary_percentage,
+        rotary_emb_base=c.rope_base, max_position_embeddings=c.block_size, layer_norm_eps=c.norm_eps,
+        use_parallel_residual=c.parallel_residual, tie_word_embeddings=False, dtype="bfloat16")
+    hf_state: dict[str, torch.Tensor] = {}
+    copy_weights_gpt_neox(c, hf_state, load_file(lit_path))
+    with torch.device("meta"):
+        model = GPTNeoXForCausalLM(hf_config)
+    model.load_state_dict(hf_state, assign=True, strict=False)
+    model.save_pretrained(hf_dir)
+
+
+# ---------------------------------------------------------------- the table (parent side)
+
+def _run(args: list[str], timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"error": tail[:160]}
+    return json.loads(lines[-1])
+
+
+def _row(name: str, r: dict, floor: int, model_bytes: int) -> str:
+    if "error" in r:
+        return f"| {METHODS[name]} | n/a | n/a | n/a | n/a | n/a | n/a | {r['error']} |"
+    return (f"| {METHODS[name]} | {(r['peak'] - floor) / model_bytes:.2f} | {(r['peak'] - r['before']) / model_bytes:.2f} "
+            f"| {r['final'] / 2**30:.2f} GiB ({r['final'] / model_bytes:.2f}) "
+            f"| {(r['peak_forward'] - floor) / model_bytes:.2f} | {r['seconds']:.1f} "
+            f"| {r['cosine']:.5f} | {r['sqnr']:.1f} dB |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
+    parser.add_argument("--only", nargs="*", default=None, help="run the methods whose name contains one of these")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.workdir)))
+        return
+    if args.prepare:
+        prepare(args.workdir)
+        return
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    prep = subprocess.run([sys.executable, __file__, "--prepare", "--workdir", str(args.workdir)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if prep.returncode:
+        sys.exit(prep.returncode)
+    model_bytes = _bf16_bytes(args.workdir / f"{MODEL}-bf16.safetensors")
+    floor = _run(["--worker", "floor", "--workdir", str(args.workdir)], args.timeout)["peak"]
+    names = [n for n in METHODS if args.only is None or "bf16" in n or any(o in n for o in args.only)]
+    _header(model_bytes, floor)
+    for name in names:
+        result = _run(["--worker", name, "--workdir", str(args.workdir)], args.timeout)
+        print(_row(name, result, floor, model_bytes), flush=True)
+
+
+def _bf16_bytes(path: Path) -> int:
+    from lightning_lowmem.checkpoint import Checkpoint
+
+    with Checkpoint.open(path) as ckpt:
+        return sum(r.nbytes for r in ckpt.records.values())
+
+
+def _header(model_bytes: int, floor: int) -> None:
+    import bitsandbytes
+    import torchao
+    import transformers
+
+    print(f"{MODEL} config, random bf16 weights: {model_bytes / 2**30:.2f} GiB; floor (import torch) "
+          f"{floor / 2**20:.0f} MiB; {os.cpu_count()} CPUs; torch {torch.__version__}, bitsandbytes "
+          f"{bitsandbytes.__version__}, torchao {torchao.__version__}, transformers {transformers.__version__}")
+    print()
+    print("| method | peak/bf16 | load peak/bf16 | final (/bf16) | peak with forward/bf16 | seconds | cosine "
+          "| SQNR |")
+    print("|---|---|---|---|---|---|---|---|")
+
+
+if __name__ == "__main__":
+    main()

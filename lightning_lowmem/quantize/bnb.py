@@ -1,0 +1,176 @@
+"""bitsandbytes schemes: ``Linear4bit`` (nf4, fp4, with or without double quantization) and ``Linear8bitLt``.
+
+Each ``nn.Linear`` is swapped for bitsandbytes' own module, built on meta. When
+its weight arrives it is quantized with the same ``bitsandbytes.functional``
+call that ``Params4bit._quantize`` / ``Int8Params._quantize`` make on
+``module.to(device)`` (the library's documented "load, then move" path), so the
+result is the one bitsandbytes would give after a full load. The weight is
+quantized a block of rows at a time (see ``chunks.py``): same bytes, smaller
+temporaries. bitsandbytes 0.50 quantizes and runs both on CPU (pure PyTorch
+ops) as well as on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lightning_lowmem.quantize.chunks import map_rows
+from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
+
+_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class BnbScheme(QuantScheme):
+    """Shared by the bitsandbytes schemes: the CUDA build check."""
+
+    package: ClassVar[str] = "bitsandbytes"
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        reason = super().unavailable_reason(device)
+        if reason is None and device.type == "cuda":
+            from bitsandbytes.cextension import ErrorHandlerMockBNBNativeLibrary, lib
+
+            if isinstance(lib, ErrorHandlerMockBNBNativeLibrary):
+                reason = "bitsandbytes found no native CUDA library for this CUDA version"
+        return reason
+
+
+@dataclass(frozen=True)
+class Bnb4bit(BnbScheme):
+    """4-bit blockwise weights in ``bitsandbytes.nn.Linear4bit`` (QLoRA).
+
+    Attributes:
+        quant_type: ``"nf4"`` or ``"fp4"``.
+        double_quant: also quantize the per-block scales (bitsandbytes' ``compress_statistics``).
+        blocksize: weights per scale.
+        quant_storage: dtype that holds the packed 4-bit pairs.
+    """
+
+    quant_type: str = "nf4"
+    double_quant: bool = False
+    blocksize: int = 64
+    quant_storage: torch.dtype = torch.uint8
+
+    def __post_init__(self) -> None:
+        if self.quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {self.quant_type!r}.")
+        if self.blocksize not in _BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {_BLOCKSIZES}, got {self.blocksize!r}.")
+
+    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+        from bitsandbytes.nn import Linear4bit
+
+        new = Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         compute_dtype=dtype, compress_statistics=self.double_quant, quant_type=self.quant_type,
+                         quant_storage=self.quant_storage, device="meta")
+        return _adopt(new, linear)
+
+    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+        from bitsandbytes.nn import Params4bit
+
+        packed, state = self._quantize(weight.contiguous())
+        module.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=self.blocksize,
+                                   compress_statistics=self.double_quant, quant_type=self.quant_type,
+                                   quant_storage=self.quant_storage, module=module, bnb_quantized=True)
+        module.quant_state = state
+
+    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""
+        import bitsandbytes.functional as F
+
+        if self.quant_storage != torch.uint8:  # packed pairs viewed as another dtype: quantize whole
+            return F.quantize_4bit(weight, blocksize=self.blocksize, compress_statistics=self.double_quant,
+                                   quant_type=self.quant_type, quant_storage=self.quant_storage)
+
+        def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            packed, state = F.quantize_4bit(rows, blocksize=self.blocksize, quant_type=self.quant_type)
+            return packed, state.absmax
+
+        packed, absmax = map_rows(weight, quantize, align=self.blocksize)
+        # the rest as quantize_4bit does it, on the whole weight's scales
+        common = dict(shape=weight.shape, dtype=weight.dtype, blocksize=self.blocksize, quant_type=self.quant_type,
+                      code=F.get_4bit_type(self.quant_type, device=weight.device))
+        if not self.double_quant:
+            return packed, F.QuantState(absmax=absmax, **common)
+        offset = absmax.mean()
+        qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+        return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
+
+
+@register_scheme("bnb.nf4")
+@dataclass(frozen=True)
+class BnbNF4(Bnb4bit):
+    """4-bit NormalFloat weights."""
+
+
+@register_scheme("bnb.nf4-dq")
+@dataclass(frozen=True)
+class BnbNF4DQ(Bnb4bit):
+    """4-bit NormalFloat weights with quantized scales."""
+
+    double_quant: bool = True
+
+
+@register_scheme("bnb.fp4")
+@dataclass(frozen=True)
+class BnbFP4(Bnb4bit):
+    """4-bit float weights."""
+
+    quant_type: str = "fp4"
+
+
+@register_scheme("bnb.fp4-dq")
+@dataclass(frozen=True)
+class BnbFP4DQ(Bnb4bit):
+    """4-bit float weights with quantized scales."""
+
+    quant_type: str = "fp4"
+    double_quant: bool = True
+
+
+@register_scheme("bnb.int8")
+@dataclass(frozen=True)
+class BnbInt8(BnbScheme):
+    """LLM.int8(): row-wise int8 weights in ``bitsandbytes.nn.Linear8bitLt``.
+
+    Attributes:
+        threshold: activation outlier threshold of the mixed-precision decomposition
+            (6.0 as in litgpt and transformers; 0.0 turns it off).
+    """
+
+    threshold: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold!r}.")
+
+    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+        from bitsandbytes.nn import Linear8bitLt
+
+        new = Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                           has_fp16_weights=False, threshold=self.threshold, device="meta")
+        return _adopt(new, linear)
+
+    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+        import bitsandbytes.functional as F
+        from bitsandbytes.nn import Int8Params
+
+        def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            qrows, scales, _ = F.int8_vectorwise_quant(rows.to(torch.float16))  # as Int8Params._quantize
+            return qrows, scales
+
+        qweight, scales = map_rows(weight.contiguous(), quantize)
+        module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
+
+
+def _adopt(new: nn.Module, old: nn.Linear) -> nn.Module:
+    """Give ``new`` the bias Parameter (meta or real) and training mode of ``old``."""
+    if old.bias is not None:
+        new.bias = old.bias
+    new.train(old.training)
+    return new

@@ -1,0 +1,100 @@
+"""Which ``nn.Linear`` modules a load quantizes, and why the others stay in full precision.
+
+Only modules whose type is exactly ``nn.Linear`` are candidates: subclasses
+(LoRA layers, already-quantized layers, ``nn.MultiheadAttention``'s
+``NonDynamicallyQuantizableLinear``) may have their own forward. A candidate
+stays in full precision when
+
+* its name matches a ``skip_quantize`` glob (default: ``lm_head`` and the
+  model's output embeddings, as transformers does),
+* its weight is tied to another tensor (an input embedding): quantizing it
+  would break the tie,
+* its weight is not in the checkpoint, or the scheme cannot take it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quantize.schemes import QuantScheme
+
+DEFAULT_SKIP = ("lm_head", "*.lm_head")
+"""Module-name globs left in full precision when ``skip_quantize`` is not given."""
+
+
+@dataclass
+class Selection:
+    """The outcome of :func:`select_linears`.
+
+    Attributes:
+        chosen: module name -> name of its weight in the plan, for each Linear to quantize.
+        left_out: module name -> why that Linear stays in full precision.
+    """
+
+    chosen: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+
+
+def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
+                   skip: tuple[str, ...] | None) -> Selection:
+    """Pick the Linears of ``module`` that ``scheme`` quantizes during the load of ``plan``.
+
+    Args:
+        module: the module being loaded (usually built on meta).
+        plan: the load plan; its targets say which weights arrive and which are tied.
+        scheme: the quantization scheme.
+        skip: module-name globs (``fnmatch``) to leave alone; None for :data:`DEFAULT_SKIP` plus
+            the module's ``get_output_embeddings()`` when it has one.
+    """
+    targets = {name: target for target in plan.targets for name in target.names}
+    uses = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
+    output_head = _output_embeddings(module) if skip is None else None
+    patterns = DEFAULT_SKIP if skip is None else skip
+    selection = Selection()
+    for name, mod in module.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        weight_name = f"{name}.weight" if name else "weight"
+        target = targets.get(weight_name)
+        reason = _reason(name, mod, target, patterns, scheme, shared=uses[id(mod)] > 1,
+                         is_output_head=mod is output_head)
+        if reason is None:
+            selection.chosen[name] = weight_name
+        else:
+            selection.left_out[name] = reason
+    return selection
+
+
+def _reason(name: str, mod: nn.Linear, target: Target | None, patterns: tuple[str, ...], scheme: QuantScheme,
+            shared: bool, is_output_head: bool) -> str | None:
+    """Why ``mod`` stays in full precision, or None to quantize it."""
+    matched = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+    if matched is not None:
+        return f"matches skip_quantize pattern {matched!r}"
+    if not name:
+        return "it is the module being loaded itself; put it in a container (nn.Sequential) to quantize it"
+    if is_output_head:
+        return "it is the model's output embeddings (get_output_embeddings())"
+    if target is None:
+        return "its weight is not loaded from the checkpoint"
+    if len(target.names) > 1:
+        others = [n for n in target.names if n != f"{name}.weight"]
+        return f"its weight is tied to {', '.join(others)}"
+    if shared:
+        return "the module is used under several names"
+    return scheme.layer_reason(mod, target.dtype)
+
+
+def _output_embeddings(module: nn.Module) -> nn.Module | None:
+    getter = getattr(module, "get_output_embeddings", None)
+    if not callable(getter):
+        return None
+    try:
+        return getter()
+    except (NotImplementedError, AttributeError):
+        return None

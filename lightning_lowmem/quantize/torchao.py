@@ -1,0 +1,154 @@
+"""torchao schemes: ``quantize_`` applied to each ``nn.Linear`` alone, the moment its weight arrives.
+
+torchao keeps ``nn.Linear`` and swaps its weight for a quantized tensor subclass,
+so nothing is replaced before the load: the full-precision weight is put into
+the Linear and ``torchao.quantization.quantize_`` is called on that one module,
+with the same config object a user would pass after a full load. The int8
+schemes, which keep one scale per row, quantize a block of rows at a time and
+join the blocks with the tensor subclass's own ``__tensor_flatten__`` /
+``__tensor_unflatten__`` (see ``chunks.py``): the same tensor, with smaller
+temporaries.
+
+``torchao.int4wo`` uses torchao's ``Int4WeightOnlyConfig``: on CUDA with the
+``tile_packed_to_4d`` layout (the tinygemm kernel shipped in PyTorch, compute
+capability >= 8.0), elsewhere with the ``plain`` layout, whose kernels come from
+the separate ``mslk`` package (torchao 0.18).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lightning_lowmem.quantize.chunks import map_rows
+from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
+
+
+@dataclass(frozen=True)
+class TorchaoScheme(QuantScheme):
+    """Shared by the torchao schemes: build the config, apply ``quantize_`` to one Linear."""
+
+    package: ClassVar[str] = "torchao"
+
+    def config(self, device: torch.device) -> Any:
+        """The ``torchao.quantization`` config object for weights on ``device``."""
+        raise NotImplementedError
+
+    row_wise: ClassVar[bool] = False
+    """One scale per output row: the weight may be quantized a block of rows at a time (``chunks.py``)."""
+
+    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+        config = self.config(weight.device)
+        merged = _quantize_by_rows(weight, config) if self.row_wise else None
+        if merged is None:
+            _quantize_linear(module, weight, config)
+        else:
+            module.weight = nn.Parameter(merged, requires_grad=False)
+
+
+def _quantize_linear(linear: nn.Linear, weight: torch.Tensor, config: Any) -> torch.Tensor:
+    """``quantize_`` one Linear holding ``weight``; return its new (quantized) weight."""
+    from torchao.quantization import quantize_
+
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    quantize_(linear, config)
+    return linear.weight
+
+
+def _quantize_by_rows(weight: torch.Tensor, config: Any) -> torch.Tensor | None:
+    """``quantize_`` blocks of rows and join the pieces with the tensor subclass's own flatten/unflatten.
+
+    Returns None (nothing to join) when the pieces are not laid out by row after all.
+    """
+    layouts: list[tuple[type, list[str], dict[str, Any]]] = []
+
+    def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
+        with torch.device("meta"):
+            part = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        quantized = _quantize_linear(part, rows, config)
+        names, attributes = quantized.__tensor_flatten__()
+        layouts.append((type(quantized), names, attributes))
+        return [getattr(quantized, name) for name in names]
+
+    inner = map_rows(weight, quantize)
+    cls, names, attributes = layouts[0]
+    if any(layout != layouts[0] for layout in layouts) or any(t.shape[0] != weight.shape[0] for t in inner):
+        return None
+    return cls.__tensor_unflatten__(dict(zip(names, inner)), attributes, weight.shape, weight.stride())
+
+
+@register_scheme("torchao.int8wo")
+@dataclass(frozen=True)
+class TorchaoInt8WeightOnly(TorchaoScheme):
+    """int8 weights, one scale per output row; activations stay in full precision."""
+
+    row_wise: ClassVar[bool] = True
+
+    def config(self, device: torch.device) -> Any:
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return Int8WeightOnlyConfig()
+
+
+@register_scheme("torchao.int8dq")
+@dataclass(frozen=True)
+class TorchaoInt8Dynamic(TorchaoScheme):
+    """int8 weights (per row) and activations quantized to int8 per token at run time."""
+
+    row_wise: ClassVar[bool] = True
+
+    def config(self, device: torch.device) -> Any:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+
+        return Int8DynamicActivationInt8WeightConfig()
+
+
+@register_scheme("torchao.int4wo")
+@dataclass(frozen=True)
+class TorchaoInt4WeightOnly(TorchaoScheme):
+    """int4 weights in groups of ``group_size`` along the input dimension (bf16 weights).
+
+    Attributes:
+        group_size: input features per scale; Linears whose ``in_features`` it does not
+            divide stay in full precision.
+    """
+
+    group_size: int = 128
+    mslk_min_version: ClassVar[str] = "1.0.0"
+
+    def __post_init__(self) -> None:
+        if self.group_size not in (32, 64, 128, 256):
+            raise ValueError(f"group_size must be one of 32, 64, 128, 256, got {self.group_size!r}.")
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        reason = super().unavailable_reason(device)
+        if reason is not None:
+            return reason
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 8:
+                return (f"its tinygemm kernel needs CUDA compute capability >= 8.0, and {device} has "
+                        f"{major}.{minor}")
+            return None
+        if importlib.util.find_spec("mslk") is None:
+            return (f"torchao's Int4WeightOnlyConfig takes its {device.type} kernels from the package 'mslk' "
+                    f"(>= {self.mslk_min_version}), which is not installed")
+        return None
+
+    def layer_reason(self, linear: nn.Linear, dtype: torch.dtype) -> str | None:
+        if dtype != torch.bfloat16:
+            return f"int4 weight-only needs bfloat16 weights, this one arrives as {dtype} (pass dtype=torch.bfloat16)"
+        if linear.in_features % self.group_size:
+            return f"in_features={linear.in_features} is not a multiple of group_size={self.group_size}"
+        return None
+
+    def config(self, device: torch.device) -> Any:
+        from torchao.quantization import Int4WeightOnlyConfig
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+        packing = Int4PackingFormat.TILE_PACKED_TO_4D if device.type == "cuda" else Int4PackingFormat.PLAIN
+        return Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format=packing)

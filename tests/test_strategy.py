@@ -1,0 +1,308 @@
+"""LowMemStrategy: Fabric(strategy="lowmem") builds on meta and streams checkpoints in."""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import pytest
+import torch
+from conftest import tiny_litgpt_config, write_checkpoint
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_lowmem.quantize import QuantizeSpec
+from lightning_lowmem import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    LowMemStrategy,
+    MetaTensorError,
+    UnsupportedQuantizationError,
+)
+
+def _has_scheme(name: str) -> bool:
+    try:
+        QuantizeSpec.parse(name, None)
+    except UnsupportedQuantizationError:
+        return False
+    return True
+
+
+needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="needs quantize-on-load (branch quant)")
+DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
+LORA_LINEAR = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
+
+
+def lora_key_map(key: str) -> str:
+    """litgpt's LoRA GPT wraps each Linear as ``<name>.linear``: map the base model's keys to it."""
+    return LORA_LINEAR.sub(r"\1.linear.\2", key)
+
+
+def _fabric(flag: str, precision: str = "bf16-true", **options) -> L.Fabric:
+    strategy = "lowmem" if flag == "string" else LowMemStrategy(**options)
+    return L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
+
+
+def _eager(reference: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    from litgpt import GPT
+
+    model = GPT(reference.config).to(dtype)
+    model.load_state_dict(reference.state_dict())
+    return model.eval()
+
+
+def test_registered_on_import_and_device_from_connector():
+    assert STRATEGY_REGISTRY["lowmem"]["strategy"] is LowMemStrategy
+    fabric = L.Fabric(accelerator="cpu", strategy="lowmem")
+    assert isinstance(fabric.strategy, LowMemStrategy)
+    assert fabric.strategy.root_device == torch.device("cpu") == fabric.device
+    assert fabric.strategy.parallel_devices == [torch.device("cpu")]
+
+
+def test_one_device_only():
+    with pytest.raises(ValueError, match="one device"):
+        L.Fabric(accelerator="cpu", devices=2, strategy="lowmem")
+
+
+def test_bad_options_fail_when_built():
+    with pytest.raises(UnsupportedQuantizationError):
+        LowMemStrategy(quantize="bnb.nf5")
+    with pytest.raises(TypeError, match="dtype"):
+        LowMemStrategy(dtype="bf16")
+
+
+@pytest.mark.parametrize("empty_init", [None, False, True])
+def test_init_module_is_meta_and_init_tensor_is_real(empty_init):
+    from litgpt import GPT
+
+    fabric = _fabric("string")
+    with fabric.init_module(empty_init=empty_init):
+        model = GPT(tiny_litgpt_config())
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not model.cos.is_meta  # buffers computed in __init__ stay real
+    with fabric.init_tensor():
+        x = torch.ones(3)
+    assert not x.is_meta and x.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("flag", ["string", "instance"])
+@pytest.mark.parametrize("precision", list(DTYPES))
+@pytest.mark.parametrize("setup_first", [False, True], ids=["load-then-setup", "setup-then-load"])
+def test_load_raw_equals_eager(tmp_path, litgpt_model, flag, precision, setup_first):
+    from litgpt import GPT
+
+    path = write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)
+    fabric = _fabric(flag, precision)
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    if setup_first:
+        model = fabric.setup(model)  # still on meta: must not call .to() on it
+        assert model.lm_head.weight.is_meta
+    fabric.load_raw(path, model)
+    model = model if setup_first else fabric.setup(model)
+
+    dtype = DTYPES[precision]
+    eager = _eager(litgpt_model, dtype)
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), eager.state_dict().items()):
+        assert ours.dtype == dtype and torch.equal(ours, theirs), name
+    x = torch.randint(0, 96, (2, 16))
+    out = model(x)  # Fabric's precision plugin returns float32
+    torch.testing.assert_close(out, eager(x).to(out.dtype), rtol=0, atol=0)
+    assert fabric.strategy.reports[-1].tensors == len(litgpt_model.state_dict())
+
+
+def test_dtype_option_wins_over_precision(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    fabric = L.Fabric(accelerator="cpu", strategy=LowMemStrategy(dtype=torch.float16))
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    fabric.load_raw(path, model)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def _train_steps(fabric, model, optimizer, steps=3):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        batch = torch.randint(0, 96, (4, 17))
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96).float(), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_fabric_load_restores_model_optimizer_and_counters(tmp_path, litgpt_model):
+    """Save with Lightning's own strategy, resume with lowmem: same model, optimizer state, counters."""
+    from litgpt import GPT
+
+    plain = L.Fabric(accelerator="cpu", precision="32-true")
+    model, optimizer = plain.setup(litgpt_model.train(), torch.optim.AdamW(litgpt_model.parameters(), lr=1e-3))
+    _train_steps(plain, model, optimizer)
+    plain.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": optimizer, "step": 3})
+
+    fabric = _fabric("string", "32-true")
+    with fabric.init_module():
+        resumed = GPT(litgpt_model.config)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)  # made on the meta parameters
+    resumed, resumed_opt = fabric.setup(resumed, resumed_opt)
+    state = {"model": resumed, "optimizer": resumed_opt, "step": 0}
+    remainder = fabric.load(tmp_path / "ckpt.pt", state)
+
+    assert state["step"] == 3 and remainder == {}
+    for (name, ours), (_, theirs) in zip(resumed.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    ours_opt, theirs_opt = resumed_opt.state_dict(), optimizer.state_dict()
+    for i, st in theirs_opt["state"].items():
+        assert torch.equal(ours_opt["state"][i]["exp_avg"], st["exp_avg"])
+    assert all(not p.is_meta for g in resumed_opt.param_groups for p in g["params"])
+    # Both go on training identically: the optimizer now steps the loaded parameters.
+    _train_steps(plain, model, optimizer, steps=1)
+    _train_steps(fabric, resumed, resumed_opt, steps=1)
+    for (name, ours), (_, theirs) in zip(resumed.state_dict().items(), model.state_dict().items()):
+        torch.testing.assert_close(ours, theirs, msg=name)
+
+
+def test_fabric_save_then_load(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    fabric = _fabric("string", "32-true")
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    fabric.load_raw(write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path), model)
+    model = fabric.setup(model)
+    fabric.save(tmp_path / "saved.ckpt", {"model": model, "epoch": 7})
+
+    saved = torch.load(tmp_path / "saved.ckpt", weights_only=True)
+    assert saved["epoch"] == 7
+    assert all(torch.equal(saved["model"][k], v) for k, v in litgpt_model.state_dict().items())
+    with fabric.init_module():
+        again = GPT(litgpt_model.config)
+    assert fabric.load(tmp_path / "saved.ckpt", {"model": again}) == {"epoch": 7}
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in litgpt_model.state_dict().items())
+
+
+def test_bad_paths_fail_with_the_loaders_errors(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    fabric = _fabric("string")
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    with pytest.raises(CheckpointNotFoundError, match="does not exist"):
+        fabric.load_raw(tmp_path / "nope.pth", model)
+    with pytest.raises(CheckpointNotFoundError):
+        fabric.load(tmp_path / "nope.ckpt", {"model": model})
+    other = GPT(tiny_litgpt_config(n_embd=64)).state_dict()
+    with pytest.raises(CheckpointMismatchError, match="shape"):
+        fabric.load_raw(write_checkpoint(other, "pth", tmp_path), model)
+    assert all(p.is_meta for p in model.parameters())  # nothing was read
+
+
+def _lora_config(**overrides):
+    from litgpt.lora import Config
+
+    base = {k: v for k, v in vars(tiny_litgpt_config(**overrides)).items() if k != "rope_n_elem"}
+    return Config(**base | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
+
+
+def test_added_lora_parameters_are_initialized(tmp_path, litgpt_model):
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import mark_only_lora_as_trainable
+
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    fabric = L.Fabric(accelerator="cpu", strategy=LowMemStrategy(key_map=lora_key_map), precision="32-true")
+    with fabric.init_module():
+        model = LoRAGPT(_lora_config())
+    mark_only_lora_as_trainable(model)
+    fabric.load_raw(path, model)  # strict: everything but the trainable adapters must be in the file
+
+
+    lora_B = model.transformer.h[0].attn.qkv.lora_B
+    assert not lora_B.is_meta and lora_B.requires_grad and not lora_B.any()  # LoRA's own init: B = 0
+    assert model.transformer.h[0].attn.qkv.lora_A.abs().sum() > 0
+    x = torch.randint(0, 96, (2, 16))
+    torch.testing.assert_close(model(x), litgpt_model(x))  # B = 0: the adapter adds nothing yet
+
+
+def test_missing_frozen_parameter_is_an_error_before_reading(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    state = {k: v for k, v in litgpt_model.state_dict().items() if k != "transformer.ln_f.weight"}
+    fabric = _fabric("string")
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    model.transformer.ln_f.weight.requires_grad_(False)
+    with pytest.raises(MetaTensorError, match="ln_f.weight"):
+        fabric.load_raw(write_checkpoint(state, "pth", tmp_path), model, strict=False)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model):
+    from litgpt import GPT
+
+    state = dict(litgpt_model.state_dict(), **{"extra.weight": torch.zeros(3)})
+    path = write_checkpoint(state, "safetensors", tmp_path)
+    fabric = _fabric("string", "32-true")
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    with pytest.raises(CheckpointMismatchError, match="extra.weight"):
+        fabric.load_raw(path, model)
+    assert fabric.load(path, {"model": model}, strict=False) == {}  # a bare weights file is the model's entry
+    assert fabric.strategy.reports[-1].skipped == ["extra.weight"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in litgpt_model.state_dict().items())
+
+
+@needs_nf4
+@pytest.mark.parametrize("flag", ["options", "setup-before-load"])
+def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
+    """bnb.nf4 on CPU (BitsandbytesPrecision refuses CPU): quantized base frozen, LoRA trains, adapters reload."""
+    from litgpt import GPT
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import mark_only_lora_as_trainable
+
+    torch.manual_seed(0)
+    base = GPT(tiny_litgpt_config(n_embd=64)).eval()  # bnb's CPU kernel needs in_features >= 64
+    path = write_checkpoint(base.state_dict(), "pth", tmp_path)
+
+    def build():
+        fabric = L.Fabric(accelerator="cpu", precision="bf16-true",
+                          strategy=LowMemStrategy(quantize="bnb.nf4", key_map=lora_key_map))
+        with fabric.init_module():
+            model = LoRAGPT(_lora_config(n_embd=64))
+        mark_only_lora_as_trainable(model)
+        if flag == "setup-before-load":
+            model = fabric.setup_module(model)
+        fabric.load_raw(path, model)
+        return fabric, model if flag == "setup-before-load" else fabric.setup_module(model)
+
+    fabric, model = build()
+    assert type(model.transformer.h[0].attn.qkv.linear).__name__ == "Linear4bit"
+    assert len(fabric.strategy.reports[-1].quantized) == 9  # 2 layers x 4 Linears + lm_head (wrapped)
+    x = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        ours, reference = model(x).float(), _eager(base, torch.bfloat16)(x).float()
+    cos = torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0)
+    assert cos > 0.98
+
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2))
+    losses = []
+    for _ in range(6):
+        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0))
+        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 96), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+    trainable = {"model": lambda name, _: "lora_" in name}
+    fabric.save(tmp_path / "adapters.pt", {"model": model, "step": 6}, filter=trainable)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    fabric2, again = build()
+    assert fabric2.load(tmp_path / "adapters.pt", {"model": again}, strict=False) == {"step": 6}
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x), expected, rtol=0, atol=0)
