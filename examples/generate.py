@@ -10,7 +10,8 @@ checkpoint is a litgpt directory (``lit_model.pth`` + ``model_config.yaml``) or
 an HF-format one (``model.safetensors``). The KV cache, mask and RoPE tables are
 sized to prompt + max_new_tokens; the script prints tokens/s and the memory of
 weights, caches and the peak. It goes through ``lightning_lowmem.generate()``,
-the same setup a notebook uses.
+the same setup a notebook uses: the model is built and streamed in by
+``Fabric(strategy=LowMemStrategy(quantize=...))``, then litgpt's own generate loop runs.
 """
 
 from __future__ import annotations

@@ -12,13 +12,20 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
     RoPE           cos + sin: 2 x L x rope_n_elem x itemsize
     activations    prefill of the prompt: B x T x (vocab + 4 x n_embd + qkv width
                    + MLP width) x itemsize + B x n_head x T x T x 4 (attention scores)
+                   + B x T x vocab x 4 (Fabric's precision plugin returns fp32 logits)
+    dequantized    quantized Linears run by dequantizing their weight: the largest one
+                   in the compute dtype
     runtime        what the first forward costs beyond its tensors: 24 MiB measured on
                    CPU (torch 2.13: oneDNN/MKL state, allocator arenas kept after the
                    prefill), independent of the model size; ``runtime=`` overrides it
+    library        importing the quantization library and its first kernel call
+                   (:mod:`lightning_lowmem.quant_sizes`)
     load transient the largest extra bytes one tensor holds while it is streamed in:
-                   the tensor as read when it is cast, plus the quantization kernel's
-                   workspace for quantized weights
-    peak           weights + max(load transient, caches + activations + runtime)
+                   the tensor as read when it is cast; for quantized weights, the cast
+                   weight + the kernel's workspace on one block of rows + the quantized
+                   pieces before they are joined; plus 6 MiB measured for the load itself
+    peak           weights + library + max(load transient, caches + activations
+                   + dequantized + runtime)
 
 The KV, mask and RoPE sizes come from litgpt's own builders run on the meta
 device, so they follow its rules (sliding windows, latent attention) exactly.
@@ -37,9 +44,11 @@ from torch import nn
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.plan import KeyMap, make_plan
+from lightning_lowmem.quantize.chunks import CHUNK_ELEMENTS
+from lightning_lowmem.quantize.selection import DEFAULT_SKIP
 from lightning_lowmem.quant_sizes import SchemeSize, scheme_size
 
-_DEFAULT_SKIP = ("lm_head",)
+LOAD_RUNTIME = 6 * 2**20  # measured: load_checkpoint beyond weights + one tensor (plan, Python objects, buffers)
 CPU_RUNTIME = 24 * 2**20  # measured: generate() on 1- and 4-layer models and pythia-1b, beyond weights + caches
 
 
@@ -61,7 +70,9 @@ class MemoryEstimate:
     mask: int = 0
     rope: int = 0
     activations: int = 0
+    dequantized: int = 0
     runtime: int = 0
+    library: int = 0
     load_transient: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -71,11 +82,11 @@ class MemoryEstimate:
 
     @property
     def load_peak(self) -> int:
-        return self.weights + self.load_transient
+        return self.weights + self.library + self.load_transient
 
     @property
     def generate_peak(self) -> int:
-        return self.weights + self.caches + self.activations + self.runtime
+        return self.weights + self.library + self.caches + self.activations + self.dequantized + self.runtime
 
     @property
     def peak(self) -> int:
@@ -88,8 +99,10 @@ class MemoryEstimate:
                 (f"KV cache ({self.batch_size} x {self.max_seq_length} positions)", self.kv_cache),
                 ("mask", self.mask), ("RoPE", self.rope),
                 (f"activations (prefill of {self.prompt_length} tokens, approx.)", self.activations),
+                ("dequantized weight (largest quantized Linear)", self.dequantized),
                 ("runtime (first forward: kernels, allocator)", self.runtime),
-                ("load transient (largest tensor in flight)", self.load_transient),
+                (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
+                ("load transient (largest tensor in flight + load)", self.load_transient),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
 
@@ -146,7 +159,7 @@ def estimate_memory(
     est = MemoryEstimate(model=getattr(config, "name", "") or str(source), quantize=quantize, dtype=dtype,
                          batch_size=batch_size, max_seq_length=length, prompt_length=prompt_length or length,
                          runtime=runtime)
-    skip = tuple(skip_quantize) if skip_quantize is not None else _DEFAULT_SKIP
+    skip = tuple(skip_quantize) if skip_quantize is not None else DEFAULT_SKIP
     entries = _entries(model, records, dtype, key_map, est)
     for name, shape, read_dtype, is_linear in entries:
         _add_weight(est, name, shape, read_dtype, is_linear and not _skipped(name, skip), scheme)
@@ -154,6 +167,8 @@ def estimate_memory(
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated")
     else:
         _add_caches(est, model, config)
+    est.load_transient += LOAD_RUNTIME
+    est.library = scheme.library if scheme is not None and est.quantized_params else 0
     return est
 
 
@@ -188,7 +203,8 @@ def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dty
         est.quantized_params += numel
         est.quantized_weights += stored
         est.weights += stored
-        transient = max(read + cast, cast + int(scheme.transient * numel))
+        est.dequantized = max(est.dequantized, cast)
+        transient = max(read + cast, cast + int(scheme.transient * min(numel, CHUNK_ELEMENTS)) + stored)
     else:
         est.weights += cast
         transient = read
@@ -211,7 +227,7 @@ def _add_caches(est: MemoryEstimate, model: nn.Module, config: Any) -> None:
     qkv = (config.n_head + 2 * config.n_query_groups) * config.head_size
     mlp = getattr(config, "intermediate_size", 4 * config.n_embd) * (1 if config.mlp_class_name == "GptNeoxMLP" else 2)
     est.activations = (batch * t * (config.padded_vocab_size + 4 * config.n_embd + qkv + mlp) * itemsize
-                       + batch * config.n_head * t * t * 4)
+                       + batch * config.n_head * t * t * 4 + batch * t * config.padded_vocab_size * 4)
 
 
 def _meta_model(config: Any) -> nn.Module:

@@ -1,4 +1,4 @@
-"""A litgpt ``GPT`` from a checkpoint directory, streamed with :func:`load_checkpoint`.
+"""A litgpt ``GPT`` from a checkpoint directory, through ``Fabric(strategy=LowMemStrategy(...))``.
 
 Two layouts are read:
 
@@ -10,7 +10,8 @@ Two layouts are read:
   ``litgpt convert_to_litgpt`` does.
 
 The model is built on the meta device, RoPE tables included, so nothing the
-size of the whole context is allocated: caches are sized per request by
+size of the whole context is allocated, then streamed in (and quantized) by the
+strategy's ``fabric.load_raw``: caches are sized per request by
 :func:`~lightning_lowmem.setup_kv_cache`.
 """
 
@@ -25,9 +26,10 @@ from torch import nn
 
 from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
 from lightning_lowmem.hf_litgpt import hf_to_litgpt
-from lightning_lowmem.loader import LoadReport, load_checkpoint
+from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 
+_PRECISION = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
 _HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
              "pytorch_model.bin")
 
@@ -68,18 +70,32 @@ def load_litgpt(
     checkpoint: LitgptCheckpoint,
     *,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype = torch.bfloat16,
     quantize: str | None = None,
 ) -> tuple[nn.Module, LoadReport]:
-    """Build the model on meta and stream the checkpoint into it; returns ``(model, report)`` in eval mode."""
-    model = build_meta_gpt(checkpoint.config)
-    kwargs: dict[str, Any] = {}
+    """Load through ``Fabric(strategy=LowMemStrategy(...))``: built on meta, streamed (and quantized) in.
+
+    Returns:
+        ``(model, report)``: the model set up by Fabric (``fabric.setup_module``), in eval mode,
+        and the loader's report.
+    """
+    import lightning as L
+
+    from lightning_lowmem.strategy import LowMemStrategy
+
+    device = torch.device(device or "cpu")
+    options: dict[str, Any] = {}
     if checkpoint.is_hf:
         with Checkpoint.open(checkpoint.weights) as ckpt:
             conversion = hf_to_litgpt(checkpoint.config, ckpt.records)
-        kwargs = {"key_map": conversion.key_map, "transform": conversion.transform}
-    report = load_checkpoint(model, checkpoint.weights, device=device, dtype=dtype, quantize=quantize, **kwargs)
-    return model.eval(), report
+        options = {"key_map": conversion.key_map, "transform": conversion.transform}
+    strategy = LowMemStrategy(device=device, quantize=quantize, dtype=dtype, **options)
+    fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=_PRECISION[dtype])
+    with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
+        model = build_meta_gpt(checkpoint.config)
+    fabric.load_raw(checkpoint.weights, model)
+    model = fabric.setup_module(model)
+    return model.eval(), strategy.reports[-1]
 
 
 def _weights_file(directory: Path) -> tuple[Path, bool]:

@@ -6,10 +6,10 @@ For an ``(out_features, in_features)`` weight of ``n = out * in`` elements:
 scheme                        bytes                                                      ~ per param
 ============================  =========================================================  ===========
 ``bnb.nf4`` / ``bnb.fp4``     ``ceil(n/2)`` 4-bit codes + fp32 absmax per 64-block        0.5625
-                              (``4 * ceil(n/64)``)
+                              (``4 * ceil(n/64)``) + the 16-value fp32 code table (64)
 ``bnb.nf4-dq``/``bnb.fp4-dq`` ``ceil(n/2)`` + uint8 absmax per 64-block (``ceil(n/64)``)  0.5159
                               + fp32 absmax of those per 256 (``4 * ceil(ceil(n/64)/256)``)
-                              + fp32 offset (4)
+                              + fp32 offset (4) + code tables (64 + 1024)
 ``bnb.int8``                  int8 ``n`` + fp32 scale per row (``4 * out``)                1 + 4/in
 ``torchao.int8wo``/``int8dq`` int8 ``n`` + fp32 scale + int8 zero point per row            1 + 5/in
                               (``5 * out``)
@@ -23,10 +23,15 @@ every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao'
 ``Int4WeightOnlyConfig(group_size=128)`` layout, not measured here).
 
 ``transient`` is the extra memory the quantization kernel holds while it
-quantizes one tensor, in bytes per element of that tensor, on top of its input
-and its output: measured on CPU on a 4096 x 4096 bf16 weight with the kernel
-called on the whole tensor (peak RSS delta minus the output). A loader that
-quantizes in row chunks needs less; re-measure against the loader in use.
+quantizes, in bytes per element it is given, on top of its input and output:
+measured on CPU on a 4096 x 4096 bf16 weight (peak RSS delta minus the output).
+The loader hands the kernel blocks of at most ``CHUNK_ELEMENTS`` (2**21) elements
+(:mod:`lightning_lowmem.quantize.chunks`), so that is what multiplies it.
+
+``library`` is what importing the quantization library and its first kernel
+call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
+first 4-bit call / 6.5 MiB first int8 call; torchao 11.8 + 13.6 MiB); nothing
+when the library is already imported and used.
 """
 
 from __future__ import annotations
@@ -47,31 +52,37 @@ class SchemeSize:
     block_scale_bytes: float = 0.0
     row_bytes: int = 0        # bytes per output row (per-row scales, zero points)
     double_quant: bool = False
+    tables: int = 0           # bytes of per-weight lookup tables (bitsandbytes' code)
     transient: float = 0.0    # bytes per element held by the kernel while quantizing (CPU, measured)
+    library: int = 0          # import + first kernel call (CPU, measured)
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
         n = out_features * in_features
-        total = math.ceil(n * self.code_bits / 8) + self.row_bytes * out_features
+        total = math.ceil(n * self.code_bits / 8) + self.row_bytes * out_features + self.tables
         if self.block:
             blocks = math.ceil(n / self.block)
-            if self.double_quant:  # absmax as uint8, with fp32 absmax per 256 of them and one fp32 offset
-                total += blocks + 4 * math.ceil(blocks / 256) + 4
+            if self.double_quant:  # absmax as uint8, with fp32 absmax per 256 of them, an fp32 offset, its code
+                total += blocks + 4 * math.ceil(blocks / 256) + 4 + 1024
             else:
                 total += math.ceil(blocks * self.block_scale_bytes)
         return total
 
 
-_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "transient": 13.7}
+_MiB = 2**20
+_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 13.7,
+         "library": 58 * _MiB}
+_TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB}
 SCHEMES: dict[str, SchemeSize] = {
     "bnb.nf4": SchemeSize("bnb.nf4", **_BNB4),
     "bnb.fp4": SchemeSize("bnb.fp4", **_BNB4),
     "bnb.nf4-dq": SchemeSize("bnb.nf4-dq", **_BNB4, double_quant=True),
     "bnb.fp4-dq": SchemeSize("bnb.fp4-dq", **_BNB4, double_quant=True),
-    "bnb.int8": SchemeSize("bnb.int8", code_bits=8, row_bytes=4, transient=9.0),
-    "torchao.int8wo": SchemeSize("torchao.int8wo", code_bits=8, row_bytes=5, transient=7.0),
-    "torchao.int8dq": SchemeSize("torchao.int8dq", code_bits=8, row_bytes=5, transient=7.0),
-    "torchao.int4wo": SchemeSize("torchao.int4wo", code_bits=4, block=128, block_scale_bytes=4.0, transient=7.0),
+    "bnb.int8": SchemeSize("bnb.int8", code_bits=8, row_bytes=4, transient=9.0, library=53 * _MiB),
+    "torchao.int8wo": SchemeSize("torchao.int8wo", **_TORCHAO),
+    "torchao.int8dq": SchemeSize("torchao.int8dq", **_TORCHAO),
+    "torchao.int4wo": SchemeSize("torchao.int4wo", **{**_TORCHAO, "code_bits": 4, "row_bytes": 0, "block": 128,
+                                                      "block_scale_bytes": 4.0}),
 }
 
 

@@ -14,6 +14,7 @@ from lightning_lowmem import (
     load_checkpoint,
     setup_kv_cache,
 )
+from lightning_lowmem.estimate import LOAD_RUNTIME
 from lightning_lowmem.quant_sizes import scheme_size
 
 SHAPES = [(96, 64), (100, 72), (33, 130)]  # block multiples and not
@@ -27,7 +28,8 @@ def test_bnb_4bit_formula_equals_what_bitsandbytes_stores(scheme, shape):
     weight = torch.randn(shape, dtype=torch.bfloat16)
     double = scheme.endswith("-dq")
     codes, state = F.quantize_4bit(weight, quant_type=scheme[4:7], blocksize=64, compress_statistics=double)
-    stored = [codes, state.absmax] + ([state.state2.absmax, state.offset] if double else [])
+    stored = [codes, state.absmax, state.code] + ([state.state2.absmax, state.offset, state.state2.code]
+                                                  if double else [])
     assert scheme_size(scheme).nbytes(*shape) == sum(t.numel() * t.element_size() for t in stored)
 
 
@@ -79,7 +81,7 @@ def test_weights_from_headers_equal_the_loaded_model(tmp_path):
     load_checkpoint(model, directory / "lit_model.pth", dtype=torch.bfloat16)
     assert est.weights == sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
-    assert est.load_transient == largest * 4  # the fp32 tensor as read, beside its bf16 copy
+    assert est.load_transient == largest * 4 + LOAD_RUNTIME  # the fp32 tensor as read, beside its bf16 copy
     assert est.weights == estimate_memory(config, max_seq_length=16).weights  # headers == config
 
 
@@ -92,6 +94,29 @@ def test_quantized_weights_use_the_scheme_for_linear_layers_but_not_the_head():
     rest = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)
     assert est.quantized_weights == quantized and est.weights == quantized + rest * 2
     assert est.quantized_params == sum(m.weight.numel() for m in linears)
+
+
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4-dq", "bnb.int8", "torchao.int8wo",
+                                    "torchao.int8dq"])
+def test_quantized_weights_equal_what_the_loader_holds(tmp_path, scheme):
+    from litgpt import GPT
+
+    from lightning_lowmem.quantize import module_nbytes
+
+    config = tiny_config("gqa", n_embd=128, intermediate_size=256)
+    torch.save(tiny_gpt(config).state_dict(), tmp_path / "lit_model.pth")
+    with init_empty(include_buffers=True):
+        model = GPT(config)
+    report = load_checkpoint(model, tmp_path / "lit_model.pth", dtype=torch.bfloat16, quantize=scheme)
+    est = estimate_memory(tmp_path / "lit_model.pth", config=config, quantize=scheme, max_seq_length=16)
+    assert est.quantized_weights == report.quantized_bytes_after
+    assert est.weights == module_nbytes(model) == report.bytes_loaded
+    assert len(report.quantized) == est_linears(config) == 10  # attn.qkv, attn.proj, mlp.fc_1/fc_2/proj x 2
+
+
+def est_linears(config) -> int:
+    model = tiny_gpt(config)
+    return sum(isinstance(m, torch.nn.Linear) and n != "lm_head" for n, m in model.named_modules())
 
 
 def test_hf_headers_through_litgpts_key_conversion(tmp_path):
