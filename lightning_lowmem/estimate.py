@@ -13,8 +13,9 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
     activations    prefill of the prompt: B x T x (vocab + 4 x n_embd + qkv width
                    + MLP width) x itemsize + B x n_head x T x T x 4 (attention scores)
                    + B x T x vocab x 4 (Fabric's precision plugin returns fp32 logits)
-    dequantized    quantized Linears run by dequantizing their weight: the largest one
-                   in the compute dtype
+    first forward  the largest quantized Linear's first forward: bitsandbytes 4-bit repacks
+                   its weight for the CPU kernel (7 bytes per weight, measured); others
+                   are assumed to hold a dequantized copy
     runtime        what the first forward costs beyond its tensors: 24 MiB measured on
                    CPU (torch 2.13: oneDNN/MKL state, allocator arenas kept after the
                    prefill), independent of the model size; ``runtime=`` overrides it
@@ -99,7 +100,7 @@ class MemoryEstimate:
                 (f"KV cache ({self.batch_size} x {self.max_seq_length} positions)", self.kv_cache),
                 ("mask", self.mask), ("RoPE", self.rope),
                 (f"activations (prefill of {self.prompt_length} tokens, approx.)", self.activations),
-                ("dequantized weight (largest quantized Linear)", self.dequantized),
+                ("first forward of the largest quantized Linear", self.dequantized),
                 ("runtime (first forward: kernels, allocator)", self.runtime),
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
@@ -203,7 +204,7 @@ def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dty
         est.quantized_params += numel
         est.quantized_weights += stored
         est.weights += stored
-        est.dequantized = max(est.dequantized, cast)
+        est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
         transient = max(read + cast, cast + int(scheme.transient * min(numel, CHUNK_ELEMENTS)) + stored)
     else:
         est.weights += cast

@@ -32,6 +32,12 @@ The loader hands the kernel blocks of at most ``CHUNK_ELEMENTS`` (2**21) element
 call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
 first 4-bit call / 6.5 MiB first int8 call; torchao 11.8 + 13.6 MiB); nothing
 when the library is already imported and used.
+
+``first_forward`` is what the largest quantized layer holds, per weight, while it
+runs for the first time: bitsandbytes 4-bit on a CPU with AVX512-bf16 repacks the
+weight for its CPU kernel (an int32 unpacked copy and byte copies; 7 bytes per
+weight measured on pythia-1b); elsewhere a dequantized bf16 copy (2) is assumed,
+not measured.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class SchemeSize:
     tables: int = 0           # bytes of per-weight lookup tables (bitsandbytes' code)
     transient: float = 0.0    # bytes per element held by the kernel while quantizing (CPU, measured)
     library: int = 0          # import + first kernel call (CPU, measured)
+    first_forward: float = 2.0  # bytes per weight the largest quantized Linear holds in its first forward
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
@@ -71,7 +78,7 @@ class SchemeSize:
 
 _MiB = 2**20
 _BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 13.7,
-         "library": 58 * _MiB}
+         "library": 58 * _MiB, "first_forward": 7.0}
 _TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB}
 SCHEMES: dict[str, SchemeSize] = {
     "bnb.nf4": SchemeSize("bnb.nf4", **_BNB4),

@@ -135,3 +135,15 @@ def test_script_entry_point_and_patched_api_peak_together(tmp_path_factory):
     assert re.search(r"[\d.]+ tokens/sec", script["stderr"])  # the script's own report
     assert re.search(r"weights [\d.]+ MiB, KV cache [\d.]+ KiB, mask [\d.]+ KiB, RoPE [\d.]+ KiB", script["stderr"])
     assert "peak RSS" in script["stderr"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
+def test_cuda_caches_on_the_device_and_device_peak(tmp_path, quantize):
+    config = tiny_config("gqa")
+    directory = write_litgpt_dir(tmp_path / "cuda", config, torch.bfloat16)
+    result = generate(directory, PROMPT, max_new_tokens=8, temperature=0.0, device="cuda", quantize=quantize)
+    assert result.tokens[0].device.type == "cuda"
+    assert result.memory.kv_cache == kv_formula(config, 1, 14, 2)
+    assert result.memory.device_peak is not None and result.memory.device_peak > result.memory.weights
