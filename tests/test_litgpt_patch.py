@@ -108,19 +108,19 @@ def test_unpatched_fixed_cache_overflow_is_litgpts_index_error(checkpoint_dir):
         llm.generate(PROMPT, max_new_tokens=7)
 
 
-def test_litgpt_generate_cli_path_under_the_patch(checkpoint_dir, tmp_path):
-    """litgpt's CLI sets max_seq_length then set_kv_cache(batch_size=1): patched, the same sizes, same tokens."""
+def test_litgpt_generate_cli_path_under_the_patch(checkpoint_dir):
+    """litgpt's CLI sets max_seq_length then set_kv_cache(batch_size=1): patched, the same tokens."""
+    import contextlib
+    import io
+
     from litgpt.generate.base import main
 
-    def run(capsys_path):
-        import contextlib
-        import io
-
+    def run() -> str:
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             main(checkpoint_dir, prompt=PROMPT, max_new_tokens=6, top_k=1, precision="bf16-true")
         return out.getvalue().strip().splitlines()[-1]
 
-    expected = run(tmp_path)
+    expected = run()
     with patch_litgpt():
-        assert run(tmp_path) == expected
+        assert run() == expected
