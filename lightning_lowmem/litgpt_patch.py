@@ -211,6 +211,7 @@ def _streamed_weights() -> Iterator[None]:
     swaps the two names ``litgpt.api`` uses for that, ``GPT`` and
     ``load_checkpoint``, for :func:`~lightning_lowmem.load_checkpoint`'s path, so
     the patched API holds the weights once, as ``lightning_lowmem.generate`` does.
+    The swap lasts for the one call; loading LLMs from several threads at once is not supported.
     """
     from litgpt import api
 

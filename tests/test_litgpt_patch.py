@@ -92,6 +92,17 @@ def test_same_tokens_with_and_without_the_patch(checkpoint_dir):
     assert torch.equal(torch.cat(streamed), expected)
 
 
+def test_llm_load_with_automatic_distribute(checkpoint_dir):
+    from litgpt.api import LLM
+
+    expected = LLM.load(str(checkpoint_dir)).generate(PROMPT, max_new_tokens=8, top_k=1, return_as_token_ids=True)
+    with patch_litgpt():
+        llm = LLM.load(str(checkpoint_dir))  # distribute="auto": built on meta, streamed in
+        assert llm.model.cos.shape[0] == 0
+        got = llm.generate(PROMPT, max_new_tokens=8, top_k=1, return_as_token_ids=True)
+    assert torch.equal(got, expected)
+
+
 def test_fixed_cache_in_model_dtype_and_clear_error_past_it(checkpoint_dir):
     patch_litgpt()
     llm = _llm(checkpoint_dir, fixed_kv_cache_size=10)
