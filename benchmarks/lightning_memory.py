@@ -2,6 +2,7 @@
 
     python benchmarks/lightning_memory.py                          # pythia-1b config, random bf16 weights
     python benchmarks/lightning_memory.py --model pythia-160m --schemes bf16
+    python benchmarks/lightning_memory.py --schemes bnb.nf4 --repeats 3      # nf4 peaks vary run to run
 
 Writes the checkpoint once (cached in --workdir): a bare state dict ``lit_model.pth`` (keys of the
 GPT) and a Lightning ``model.ckpt`` (``state_dict`` with keys of a LightningModule holding the GPT
@@ -14,9 +15,11 @@ as ``self.model``), same random bf16 weights. Each method runs in its own fresh 
   ``configure_model``,
 - ``trainer-lowmem``: the same ``Trainer.predict`` with ``LowMemCallback(model.ckpt)``.
 
-Every process imports torch, lightning, litgpt and lightning_lowmem before it measures. The table
-gives the peak RSS of the measured block (build, load and, for the Trainer, one predict step on 8
-tokens) above the RSS just before it, as a multiple of the final model's bytes, and the process's
+Every process imports torch, lightning, litgpt and lightning_lowmem, then measures from the RSS
+just before it builds anything: the peak until the model is ready (for the Trainer: at
+``on_predict_start``, after restore and ``strategy.setup``), then the peak including one forward on
+8 tokens (the Trainer's predict step; a direct call for the others; on CPU, bitsandbytes repacks
+4-bit weights on the first inference forward, which costs memory of its own), and the process's
 lifetime peak above a bare ``import torch`` process.
 """
 
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from importlib.metadata import version
@@ -63,7 +67,7 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     import lightning as L
     from litgpt import GPT, Config
 
-    from lightning_lowmem import LowMemCallback, LowMemStrategy, MemoryMonitor, init_empty, load_checkpoint
+    from lightning_lowmem import LowMemCallback, MemoryMonitor
     from lightning_lowmem.memory import lifetime_peak_rss
 
     config = Config.from_name(model_name)
@@ -82,36 +86,55 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
 
     trainer_kwargs = dict(accelerator="cpu", devices=1, precision="bf16-true", logger=False,
                           enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    batch = torch.utils.data.DataLoader(torch.randint(0, config.vocab_size, (1, 8)), batch_size=1)
+    tokens = torch.randint(0, config.vocab_size, (1, 8))
+    ready: list[tuple[int, int]] = []  # (VmHWM, model bytes) when the model is ready, before its first forward
+
+    def mark_ready(module: torch.nn.Module) -> None:
+        ready.append((lifetime_peak_rss(), sum(t.numel() * t.element_size() for t in module.state_dict().values())))
+
     with MemoryMonitor() as mon:
-        if method.startswith("load_checkpoint"):
-            with init_empty():
-                model = GPT(config)
-            load_checkpoint(model, path, dtype=torch.bfloat16, quantize=quantize, progress=False,
-                            key_map={"model.": ""} if path.suffix == ".ckpt" else None)
-        elif method == "fabric":
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
-            with fabric.init_module(empty_init=True):
-                model = GPT(config)
-            fabric.load_raw(path, model)
-            model = fabric.setup(model)
-        elif method == "fabric-lowmem":
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true",
-                              strategy=LowMemStrategy(quantize=quantize) if quantize else "lowmem")
-            with fabric.init_module():
-                model = GPT(config)
-            fabric.load_raw(path, model)
-            model = fabric.setup(model)
-        elif method in ("trainer", "trainer-lowmem"):
+        if method in ("trainer", "trainer-lowmem"):
             model = Lit()
-            callbacks = [LowMemCallback(path, quantize=quantize)] if method == "trainer-lowmem" else []
+            callbacks = [L.pytorch.callbacks.LambdaCallback(on_predict_start=lambda _, m: mark_ready(m))]
+            callbacks += ([LowMemCallback(path, quantize=quantize)] if method == "trainer-lowmem" else [])
             trainer = L.Trainer(callbacks=callbacks, **trainer_kwargs)
-            trainer.predict(model, batch, ckpt_path=path if method == "trainer" else None)
+            trainer.predict(model, torch.utils.data.DataLoader(tokens, batch_size=1),
+                            ckpt_path=path if method == "trainer" else None)
         else:
-            raise ValueError(method)
-    final = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return {"peak": mon.usage.rss_peak_delta, "lifetime_peak": lifetime_peak_rss(), "final": final,
-            "seconds": mon.usage.seconds}
+            model = load(method, config, path, quantize)
+            mark_ready(model)
+            with torch.no_grad():
+                model.eval()(tokens)  # eval, as in the Trainer's predict
+    return {"ready": ready[0][0] - mon.usage.rss_start, "peak": mon.usage.rss_peak_delta,
+            "lifetime_peak": lifetime_peak_rss(), "final": ready[0][1], "seconds": mon.usage.seconds}
+
+
+def load(method: str, config: object, path: Path, quantize: str | None) -> torch.nn.Module:
+    """Build and load the model the way ``method`` does (the Fabric and bare paths)."""
+    import lightning as L
+    from litgpt import GPT
+
+    from lightning_lowmem import LowMemStrategy, init_empty, load_checkpoint
+
+    if method.startswith("load_checkpoint"):
+        with init_empty():
+            model = GPT(config)
+        load_checkpoint(model, path, dtype=torch.bfloat16, quantize=quantize, progress=False,
+                        key_map={"model.": ""} if path.suffix == ".ckpt" else None)
+        return model
+    if method == "fabric":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true")
+        with fabric.init_module(empty_init=True):
+            model = GPT(config)
+    elif method == "fabric-lowmem":
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-true",
+                          strategy=LowMemStrategy(quantize=quantize) if quantize else "lowmem")
+        with fabric.init_module():
+            model = GPT(config)
+    else:
+        raise ValueError(method)
+    fabric.load_raw(path, model)
+    return fabric.setup(model)
 
 
 def bare_torch_floor() -> int:
@@ -120,14 +143,38 @@ def bare_torch_floor() -> int:
     return next(int(line.split()[1]) * 1024 for line in out.stdout.splitlines() if line.startswith("VmHWM"))
 
 
-def run_fresh(method: str, model_name: str, path: Path, quantize: str | None) -> dict:
+def run_fresh(method: str, model_name: str, path: Path, quantize: str | None, repeats: int) -> dict:
+    """Median of ``repeats`` fresh processes (and the range of the load peak)."""
     cmd = [sys.executable, __file__, "--child", method, "--model", model_name, "--path", str(path)]
     cmd += ["--quantize", quantize] if quantize else []
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(repeats):
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    result = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    result["ready_range"] = (min(r["ready"] for r in runs), max(r["ready"] for r in runs))
+    return result
+
+
+def print_table(rows: list[tuple[str, str, dict]], floor: int, repeats: int) -> None:
+    print(f"(median of {repeats} fresh processes per row; load peak range in brackets)" if repeats > 1 else "")
+    print("| weights | method | checkpoint | load peak (MiB) | load peak / load_checkpoint's (same file) "
+          "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    bare = {(scheme, CHECKPOINT_OF[method]): r["ready"] for scheme, method, r in rows
+            if method.startswith("load_checkpoint") and "ready" in r}
+    for scheme, method, r in rows:
+        if "error" in r:
+            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
+            continue
+        low, high = r["ready_range"]
+        spread = f" [{low / MiB:.0f}-{high / MiB:.0f}]" if repeats > 1 else ""
+        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f}{spread} | "
+              f"{r['ready'] / bare[scheme, CHECKPOINT_OF[method]]:.3f} | {r['peak'] / MiB:.0f} | "
+              f"{r['final'] / MiB:.0f} | {(r['lifetime_peak'] - floor) / MiB:.0f} |")
 
 
 def main() -> None:
@@ -135,6 +182,7 @@ def main() -> None:
     parser.add_argument("--model", default="pythia-1b", help="litgpt config name (default: pythia-1b)")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
     parser.add_argument("--schemes", nargs="*", default=["bf16", "bnb.nf4"])
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per row (median reported)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quantize", help=argparse.SUPPRESS)
@@ -152,22 +200,14 @@ def main() -> None:
             if quantize and method in ("fabric", "trainer"):  # BitsandbytesPrecision refuses CPU
                 rows.append((scheme, method, {"error": "n/a: Lightning's bitsandbytes plugin runs on CUDA only"}))
                 continue
-            rows.append((scheme, method, run_fresh(method, args.model, directory / CHECKPOINT_OF[method], quantize)))
+            path = directory / CHECKPOINT_OF[method]
+            rows.append((scheme, method, run_fresh(method, args.model, path, quantize, args.repeats)))
             print(f"  ran {scheme} / {method}", file=sys.stderr)
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
     print("versions: " + ", ".join(f"{n} {version(n)}" for n in ["torch", "lightning", "litgpt", "bitsandbytes"]))
     print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB")
-    print()
-    print("| weights | method | checkpoint | block peak / final model | block peak (MiB) | final model (MiB) "
-          "| lifetime peak above bare torch (MiB) |")
-    print("|---|---|---|---|---|---|---|")
-    for scheme, method, r in rows:
-        if "error" in r:
-            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | |")
-            continue
-        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['peak'] / r['final']:.3f} | "
-              f"{r['peak'] / MiB:.0f} | {r['final'] / MiB:.0f} | {(r['lifetime_peak'] - floor) / MiB:.0f} |")
+    print_table(rows, floor, args.repeats)
 
 
 if __name__ == "__main__":

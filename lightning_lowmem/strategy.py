@@ -15,7 +15,6 @@ final model plus one tensor in flight.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
@@ -45,8 +44,6 @@ from lightning_lowmem.lightning_state import (
 from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.plan import KeyMap
-
-log = logging.getLogger(__name__)
 
 
 class LowMemStrategy(SingleDeviceStrategy):

@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 from conftest import tiny_litgpt_config, write_checkpoint
-from test_strategy import _lora_config, lora_key_map
+from test_strategy import _has_scheme, _lora_config, lora_key_map
 from torch.utils.data import DataLoader
 
 from lightning_lowmem import (
@@ -15,19 +15,9 @@ from lightning_lowmem import (
     LowMemCallback,
     UnsupportedQuantizationError,
 )
-from lightning_lowmem.quantize import QuantizeSpec
-
-
-def _has_scheme(name: str) -> bool:
-    try:
-        QuantizeSpec.parse(name, None)
-    except UnsupportedQuantizationError:
-        return False
-    return True
-
 
 NF4 = pytest.param("bnb.nf4", marks=pytest.mark.skipif(not _has_scheme("bnb.nf4"),
-                                                       reason="needs quantize-on-load (branch quant)"))
+                                                       reason="the bnb.nf4 scheme is not available"))
 
 
 class LitGPT(L.LightningModule):
@@ -191,3 +181,15 @@ def test_qlora_fit_predict_save_and_reload(tmp_path, quantize):
     out = _trainer(LowMemCallback(path, **options), "bf16-true").predict(again, _data(),
                                                                           ckpt_path=tmp_path / "adapter.ckpt")
     torch.testing.assert_close(out[0], predicted, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_predict_equals_eager(tmp_path, litgpt_model):
+    path = write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)
+    lit = LitGPT(litgpt_model.config)
+    trainer = L.Trainer(accelerator="cuda", devices=1, precision="bf16-true", callbacks=[LowMemCallback(path)],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    out = trainer.predict(lit, _data())
+    expected = _eager(litgpt_model, torch.bfloat16).cuda()(next(iter(_data())).cuda())
+    torch.testing.assert_close(out[0].cuda(), expected, rtol=0, atol=0)

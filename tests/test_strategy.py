@@ -10,7 +10,6 @@ import torch
 from conftest import tiny_litgpt_config, write_checkpoint
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_lowmem.quantize import QuantizeSpec
 from lightning_lowmem import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -18,6 +17,8 @@ from lightning_lowmem import (
     MetaTensorError,
     UnsupportedQuantizationError,
 )
+from lightning_lowmem.quantize import QuantizeSpec
+
 
 def _has_scheme(name: str) -> bool:
     try:
@@ -27,7 +28,7 @@ def _has_scheme(name: str) -> bool:
     return True
 
 
-needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="needs quantize-on-load (branch quant)")
+needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="the bnb.nf4 scheme is not available")
 DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 LORA_LINEAR = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
 
@@ -121,15 +122,18 @@ def test_dtype_option_wins_over_precision(tmp_path, litgpt_model):
     assert {p.dtype for p in model.parameters()} == {torch.float16}
 
 
-def _train_steps(fabric, model, optimizer, steps=3):
+def _train_steps(fabric, model, optimizer, steps=3, same_batch=False) -> list[float]:
     torch.manual_seed(1)
+    losses = []
     for _ in range(steps):
-        batch = torch.randint(0, 96, (4, 17))
+        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0) if same_batch else None)
         logits = model(batch[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96).float(), batch[:, 1:].reshape(-1))
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def test_fabric_load_restores_model_optimizer_and_counters(tmp_path, litgpt_model):
@@ -286,14 +290,7 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
 
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2))
-    losses = []
-    for _ in range(6):
-        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0))
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 96), batch[:, 1:].reshape(-1))
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train_steps(fabric, model, optimizer, steps=6, same_batch=True)
     assert losses[-1] < losses[0]
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
 
@@ -306,3 +303,27 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
     assert fabric2.load(tmp_path / "adapters.pt", {"model": again}, strict=False) == {"step": 6}
     with torch.no_grad():
         torch.testing.assert_close(again.eval()(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
+def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize):
+    from litgpt import GPT
+
+    base = GPT(tiny_litgpt_config(n_embd=64)).eval() if quantize else litgpt_model
+    path = write_checkpoint(base.state_dict(), "safetensors", tmp_path)
+    fabric = L.Fabric(accelerator="cuda", devices=1, precision="bf16-true", strategy=LowMemStrategy(quantize=quantize))
+    assert fabric.strategy.root_device.type == "cuda"
+    with fabric.init_module():
+        model = GPT(base.config)
+    fabric.load_raw(path, model)
+    model = fabric.setup(model)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    x = torch.randint(0, 96, (2, 16), device="cuda")
+    with torch.no_grad():
+        ours, reference = model(x).float(), _eager(base, torch.bfloat16).cuda()(x).float()
+    if quantize is None:
+        torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    else:
+        assert torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0) > 0.98
