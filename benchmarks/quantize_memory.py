@@ -24,7 +24,7 @@ Every method runs in a fresh subprocess. Columns:
 
 Usage::
 
-    python benchmarks/quantize_memory.py [--workdir DIR] [--only SUBSTRING ...]
+    python benchmarks/quantize_memory.py [--workdir DIR] [--only SUBSTRING ...] [--repeat N]
 """
 
 from __future__ import annotations
@@ -135,8 +135,10 @@ def _build_after_bnb(workdir: Path, scheme: str) -> torch.nn.Module:
             new.weight = bnb.nn.Int8Params(mod.weight.data, requires_grad=False, has_fp16_weights=False)
         else:
             new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, mod.bias is not None,
-                                    compute_dtype=torch.bfloat16, quant_type=scheme, device="meta")
-            new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, quant_type=scheme, module=new)
+                                    compute_dtype=torch.bfloat16, compress_statistics=False, quant_type=scheme,
+                                    device="meta")
+            new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False, compress_statistics=False,
+                                           quant_type=scheme, module=new)
         new.bias = mod.bias
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, new)
@@ -263,10 +265,29 @@ def _run(args: list[str], timeout: float) -> dict:
 def _row(name: str, r: dict, floor: int, model_bytes: int) -> str:
     if "error" in r:
         return f"| {METHODS[name]} | n/a | n/a | n/a | n/a | n/a | n/a | {r['error']} |"
-    return (f"| {METHODS[name]} | {(r['peak'] - floor) / model_bytes:.2f} | {(r['peak'] - r['before']) / model_bytes:.2f} "
-            f"| {r['final'] / 2**30:.2f} GiB ({r['final'] / model_bytes:.2f}) "
+    peak, load = (r["peak"] - floor) / model_bytes, (r["peak"] - r["before"]) / model_bytes
+    final = f"{r['final'] / 2**30:.2f} GiB ({r['final'] / model_bytes:.2f})"
+    return (f"| {METHODS[name]} | {peak:.2f} | {load:.2f} | {final} "
             f"| {(r['peak_forward'] - floor) / model_bytes:.2f} | {r['seconds']:.1f} "
             f"| {r['cosine']:.5f} | {r['sqnr']:.1f} dB |")
+
+
+# lightning_lowmem row -> the same library's load-then-quantize row, for the load-time ratio
+SAME_LIBRARY = {"lowmem:bnb.nf4": "after-bnb:nf4", "lowmem:bnb.int8": "after-bnb:int8",
+                "lowmem:torchao.int8wo": "after-torchao:int8wo", "lowmem:torchao.int8dq": "after-torchao:int8dq"}
+
+
+def _merge(runs: list[dict]) -> dict:
+    """Several runs of one method: the highest peaks, the shortest time (the least disturbed run)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    merged = dict(ok[0])
+    for key in ("peak", "peak_forward", "final"):
+        merged[key] = max(r[key] for r in ok)
+    merged["before"] = min(r["before"] for r in ok)
+    merged["seconds"] = min(r["seconds"] for r in ok)
+    return merged
 
 
 def main() -> None:
@@ -274,6 +295,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
     parser.add_argument("--only", nargs="*", default=None, help="run the methods whose name contains one of these")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over all methods (peaks: max, seconds: min)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -291,10 +313,20 @@ def main() -> None:
     model_bytes = _bf16_bytes(args.workdir / f"{MODEL}-bf16.safetensors")
     floor = _run(["--worker", "floor", "--workdir", str(args.workdir)], args.timeout)["peak"]
     names = [n for n in METHODS if args.only is None or "bf16" in n or any(o in n for o in args.only)]
-    _header(model_bytes, floor)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(args.repeat):  # rounds, so that a slow spell on the machine hits every method alike
+        for name in names:
+            runs[name].append(_run(["--worker", name, "--workdir", str(args.workdir)], args.timeout))
+            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    results = {name: _merge(r) for name, r in runs.items()}
+    _header(model_bytes, floor, args.repeat)
     for name in names:
-        result = _run(["--worker", name, "--workdir", str(args.workdir)], args.timeout)
-        print(_row(name, result, floor, model_bytes), flush=True)
+        print(_row(name, results[name], floor, model_bytes))
+    print()
+    for ours, theirs in SAME_LIBRARY.items():
+        a, b = results.get(ours, {}), results.get(theirs, {})
+        if "seconds" in a and "seconds" in b:
+            print(f"load time {ours} / {theirs}: {a['seconds'] / b['seconds']:.2f}")
 
 
 def _bf16_bytes(path: Path) -> int:
@@ -304,14 +336,15 @@ def _bf16_bytes(path: Path) -> int:
         return sum(r.nbytes for r in ckpt.records.values())
 
 
-def _header(model_bytes: int, floor: int) -> None:
+def _header(model_bytes: int, floor: int, repeat: int) -> None:
     import bitsandbytes
     import torchao
     import transformers
 
     print(f"{MODEL} config, random bf16 weights: {model_bytes / 2**30:.2f} GiB; floor (import torch) "
           f"{floor / 2**20:.0f} MiB; {os.cpu_count()} CPUs; torch {torch.__version__}, bitsandbytes "
-          f"{bitsandbytes.__version__}, torchao {torchao.__version__}, transformers {transformers.__version__}")
+          f"{bitsandbytes.__version__}, torchao {torchao.__version__}, transformers {transformers.__version__}; "
+          f"{repeat} run(s) per method")
     print()
     print("| method | peak/bf16 | load peak/bf16 | final (/bf16) | peak with forward/bf16 | seconds | cosine "
           "| SQNR |")

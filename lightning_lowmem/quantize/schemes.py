@@ -62,7 +62,10 @@ class QuantScheme:
         return linear
 
     def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
-        """Quantize the full-precision ``weight`` into ``module`` (made by :meth:`replace`), keeping no reference to it."""
+        """Quantize the full-precision ``weight`` into ``module`` (made by :meth:`replace`).
+
+        Must keep no reference to ``weight``: the loader frees it before reading the next tensor.
+        """
         raise NotImplementedError
 
 

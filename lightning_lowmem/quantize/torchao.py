@@ -3,11 +3,13 @@
 torchao keeps ``nn.Linear`` and swaps its weight for a quantized tensor subclass,
 so nothing is replaced before the load: the full-precision weight is put into
 the Linear and ``torchao.quantization.quantize_`` is called on that one module,
-with the same config object a user would pass after a full load. The int8
-schemes, which keep one scale per row, quantize a block of rows at a time and
-join the blocks with the tensor subclass's own ``__tensor_flatten__`` /
-``__tensor_unflatten__`` (see ``chunks.py``): the same tensor, with smaller
-temporaries.
+with the same config object a user would pass after a full load.
+
+The weight is quantized whole, not in blocks of rows as the bitsandbytes schemes
+do: its float32 temporaries are large enough for glibc to map and unmap them
+directly, while blocks of rows come from the heap and left it fragmented. On
+pythia-1b (int8wo) the load peaked at the final model + 144 MiB whole, and
++209-233 MiB in blocks of 4 Mi elements, also slower.
 
 ``torchao.int4wo`` uses torchao's ``Int4WeightOnlyConfig``: on CUDA with the
 ``tile_packed_to_4d`` layout (the tinygemm kernel shipped in PyTorch, compute
@@ -24,7 +26,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.chunks import map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
 
 
@@ -38,55 +39,17 @@ class TorchaoScheme(QuantScheme):
         """The ``torchao.quantization`` config object for weights on ``device``."""
         raise NotImplementedError
 
-    row_wise: ClassVar[bool] = False
-    """One scale per output row: the weight may be quantized a block of rows at a time (``chunks.py``)."""
-
     def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
-        config = self.config(weight.device)
-        merged = _quantize_by_rows(weight, config) if self.row_wise else None
-        if merged is None:
-            _quantize_linear(module, weight, config)
-        else:
-            module.weight = nn.Parameter(merged, requires_grad=False)
+        from torchao.quantization import quantize_
 
-
-def _quantize_linear(linear: nn.Linear, weight: torch.Tensor, config: Any) -> torch.Tensor:
-    """``quantize_`` one Linear holding ``weight``; return its new (quantized) weight."""
-    from torchao.quantization import quantize_
-
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    quantize_(linear, config)
-    return linear.weight
-
-
-def _quantize_by_rows(weight: torch.Tensor, config: Any) -> torch.Tensor | None:
-    """``quantize_`` blocks of rows and join the pieces with the tensor subclass's own flatten/unflatten.
-
-    Returns None (nothing to join) when the pieces are not laid out by row after all.
-    """
-    layouts: list[tuple[type, list[str], dict[str, Any]]] = []
-
-    def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
-        with torch.device("meta"):
-            part = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-        quantized = _quantize_linear(part, rows, config)
-        names, attributes = quantized.__tensor_flatten__()
-        layouts.append((type(quantized), names, attributes))
-        return [getattr(quantized, name) for name in names]
-
-    inner = map_rows(weight, quantize)
-    cls, names, attributes = layouts[0]
-    if any(layout != layouts[0] for layout in layouts) or any(t.shape[0] != weight.shape[0] for t in inner):
-        return None
-    return cls.__tensor_unflatten__(dict(zip(names, inner)), attributes, weight.shape, weight.stride())
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        quantize_(module, self.config(weight.device))
 
 
 @register_scheme("torchao.int8wo")
 @dataclass(frozen=True)
 class TorchaoInt8WeightOnly(TorchaoScheme):
     """int8 weights, one scale per output row; activations stay in full precision."""
-
-    row_wise: ClassVar[bool] = True
 
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
@@ -98,8 +61,6 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
 @dataclass(frozen=True)
 class TorchaoInt8Dynamic(TorchaoScheme):
     """int8 weights (per row) and activations quantized to int8 per token at run time."""
-
-    row_wise: ClassVar[bool] = True
 
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
