@@ -25,8 +25,9 @@ every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao'
 ``transient`` is the extra memory the quantization kernel holds while it
 quantizes, in bytes per element it is given, on top of its input and output:
 measured on CPU on a 4096 x 4096 bf16 weight (peak RSS delta minus the output).
-The loader hands the kernel blocks of at most ``CHUNK_ELEMENTS`` (2**21) elements
-(:mod:`lightning_lowmem.quantize.chunks`), so that is what multiplies it.
+The loader hands bitsandbytes blocks of at most ``CHUNK_ELEMENTS`` elements
+(:mod:`lightning_lowmem.quantize.chunks`) and torchao the whole weight (``chunked``),
+so that is what multiplies it.
 
 ``library`` is what importing the quantization library and its first kernel
 call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
@@ -62,6 +63,7 @@ class SchemeSize:
     transient: float = 0.0    # bytes per element held by the kernel while quantizing (CPU, measured)
     library: int = 0          # import + first kernel call (CPU, measured)
     first_forward: float = 2.0  # bytes per weight the largest quantized Linear holds in its first forward
+    chunked: bool = True      # the loader quantizes blocks of rows (bitsandbytes), else the whole weight (torchao)
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
@@ -79,7 +81,7 @@ class SchemeSize:
 _MiB = 2**20
 _BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 13.7,
          "library": 58 * _MiB, "first_forward": 7.0}
-_TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB}
+_TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB, "chunked": False}
 SCHEMES: dict[str, SchemeSize] = {
     "bnb.nf4": SchemeSize("bnb.nf4", **_BNB4),
     "bnb.fp4": SchemeSize("bnb.fp4", **_BNB4),
