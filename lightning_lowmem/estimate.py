@@ -23,9 +23,9 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
                    (:mod:`lightning_lowmem.quant_sizes`)
     load transient the largest extra bytes one tensor holds while it is streamed in:
                    the tensor as read when it is cast; for quantized weights, the cast
-                   weight + the kernel's workspace on one block of rows (the whole weight
-                   for torchao) + the quantized pieces before they are joined; plus 6 MiB
-                   measured for the load itself
+                   weight + what quantizing it holds (``quant_sizes``: bytes per weight,
+                   calibrated on the loader) + the quantized blocks before they are
+                   joined; plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
                    + dequantized + runtime)
 
@@ -206,9 +206,8 @@ def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dty
         est.quantized_weights += stored
         est.weights += stored
         est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
-        block = min(numel, CHUNK_ELEMENTS) if scheme.chunked else numel
         pieces = stored if scheme.chunked and numel > CHUNK_ELEMENTS else 0  # joined into the stored weight
-        transient = max(read + cast, cast + int(scheme.transient * block) + pieces)
+        transient = max(read + cast, cast + int(scheme.transient * numel) + pieces)
     else:
         est.weights += cast
         transient = read

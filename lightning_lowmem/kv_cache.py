@@ -93,7 +93,7 @@ def setup_kv_cache(
         >>> from litgpt import GPT, Config  # doctest: +SKIP
         >>> model = GPT(Config.from_name("pythia-14m")).to(torch.bfloat16)
         >>> setup_kv_cache(model, batch_size=1, max_seq_length=64 + 50)
-        44864
+        366852
     """
     model = unwrap_model(model)
     _check_request(model, batch_size, max_seq_length)

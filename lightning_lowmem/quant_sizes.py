@@ -22,12 +22,14 @@ torchao 0.18 ``Int8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig`
 every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao's
 ``Int4WeightOnlyConfig(group_size=128)`` layout, not measured here).
 
-``transient`` is the extra memory the quantization kernel holds while it
-quantizes, in bytes per element it is given, on top of its input and output:
-measured on CPU on a 4096 x 4096 bf16 weight (peak RSS delta minus the output).
-The loader hands bitsandbytes blocks of at most ``CHUNK_ELEMENTS`` elements
-(:mod:`lightning_lowmem.quantize.chunks`) and torchao the whole weight (``chunked``),
-so that is what multiplies it.
+``transient`` is what quantizing one weight holds on top of the weight itself and
+its quantized result, in bytes per element of that weight, as the loader does it:
+bitsandbytes on blocks of rows (:mod:`lightning_lowmem.quantize.chunks`; the block
+temporaries plus the heap the blocks leave resident), torchao on the whole weight.
+Calibrated on CPU from load peaks: pythia-1b nf4 with 4 Mi-element blocks (the
+8192 x 2048 MLP weight: 202 MiB above the final model and the library, 9.2 bytes
+per element), matching the 40-60 MiB the quantize tests measure on a 4 Mi-element
+weight; bnb.int8 (9.0) and torchao int8 (7.0) from one whole-weight kernel call.
 
 ``library`` is what importing the quantization library and its first kernel
 call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
@@ -60,10 +62,10 @@ class SchemeSize:
     row_bytes: int = 0        # bytes per output row (per-row scales, zero points)
     double_quant: bool = False
     tables: int = 0           # bytes of per-weight lookup tables (bitsandbytes' code)
-    transient: float = 0.0    # bytes per element held by the kernel while quantizing (CPU, measured)
+    transient: float = 0.0    # bytes per element of the weight held while quantizing it (CPU, measured)
     library: int = 0          # import + first kernel call (CPU, measured)
     first_forward: float = 2.0  # bytes per weight the largest quantized Linear holds in its first forward
-    chunked: bool = True      # the loader quantizes blocks of rows (bitsandbytes), else the whole weight (torchao)
+    chunked: bool = True      # the loader quantizes blocks of rows and joins them (bitsandbytes); torchao: whole
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
@@ -79,7 +81,7 @@ class SchemeSize:
 
 
 _MiB = 2**20
-_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 13.7,
+_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 9.2,
          "library": 58 * _MiB, "first_forward": 7.0}
 _TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB, "chunked": False}
 SCHEMES: dict[str, SchemeSize] = {
