@@ -7,12 +7,17 @@ from lightning_lowmem.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
+    KVCacheTooShortError,
     LowMemError,
     MemoryBudgetError,
     MetaTensorError,
     UnsafeCheckpointError,
     UnsupportedQuantizationError,
 )
+from lightning_lowmem.estimate import MemoryEstimate, estimate_memory
+from lightning_lowmem.generate import GenerateResult, GenerationMemory, generate
+from lightning_lowmem.kv_cache import CacheBytes, cache_bytes, setup_kv_cache
+from lightning_lowmem.litgpt_patch import patch_litgpt, unpatch_litgpt
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
@@ -24,16 +29,21 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "BF16FallbackWarning",
+    "CacheBytes",
     "Checkpoint",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "GenerateResult",
+    "GenerationMemory",
+    "KVCacheTooShortError",
     "LoadReport",
     "LowMemCallback",
     "LowMemError",
     "LowMemStrategy",
     "MemoryBudgetError",
+    "MemoryEstimate",
     "MemoryMonitor",
     "MemoryUsage",
     "MetaTensorError",
@@ -42,13 +52,19 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedQuantizationError",
     "assume_bf16_support",
+    "cache_bytes",
     "dispatch",
     "enable_offload",
+    "estimate_memory",
     "format_bytes",
+    "generate",
     "init_empty",
     "layer_offload",
     "load_checkpoint",
+    "patch_litgpt",
     "placement_plan",
     "sequential_offload",
+    "setup_kv_cache",
     "supports_bf16",
+    "unpatch_litgpt",
 ]

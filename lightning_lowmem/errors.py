@@ -54,3 +54,12 @@ def format_names(names: Iterable[str], limit: int = 10) -> str:
     if len(names) > limit:
         shown += f" ... and {len(names) - limit} more"
     return shown
+
+
+class KVCacheTooShortError(LowMemError, ValueError):
+    """A generation request needs more KV-cache positions (or a larger batch) than a fixed cache holds."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available

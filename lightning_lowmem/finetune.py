@@ -20,7 +20,7 @@ before a byte of weights is read.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,7 @@ class LoadOptions:
         strict: None: each call's own ``strict`` decides; a bool overrides it.
         key_map: checkpoint-to-module renames (see :func:`~lightning_lowmem.load_checkpoint`).
         progress: progress bar; None: when stderr is a terminal.
+        transform: ``transform(module_name, tensor)`` on each tensor as read (see :func:`load_checkpoint`).
     """
 
     quantize: str | None = None
@@ -56,6 +57,7 @@ class LoadOptions:
     strict: bool | None = None
     key_map: KeyMap | None = None
     progress: bool | None = None
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
@@ -104,7 +106,8 @@ def load_for_finetuning(
                  format_names(initialized))
     return load_checkpoint(module, checkpoint, device=device, dtype=dtype, quantize=options.quantize,
                            skip_quantize=list(options.skip_quantize) if options.skip_quantize is not None else None,
-                           strict=strict and not plan.missing, key_map=options.key_map, progress=options.progress)
+                           strict=strict and not plan.missing, key_map=options.key_map, progress=options.progress,
+                           transform=options.transform)
 
 
 def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]:

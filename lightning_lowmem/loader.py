@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lightning_lowmem.cache_guard import release_all_rope
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.dtype_fallback import apply_dtype_fallback
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
@@ -113,6 +115,7 @@ def load_checkpoint(
     progress: bool | None = None,
     max_memory: MaxMemory | None = None,
     context: int | None = None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -140,6 +143,8 @@ def load_checkpoint(
             each layer's device before any weight is read; layers on the CPU are then streamed to
             the accelerator for their forward (``report.offload``, see :mod:`lightning_lowmem.offload`).
         context: tokens of KV cache (prompt + max_new_tokens) the plan reserves room for.
+        transform: called as ``transform(module_name, tensor)`` on each tensor as read, before the
+            cast and quantization; returns the tensor to load (same shape as the module's).
 
     Returns:
         A :class:`LoadReport`.
@@ -181,7 +186,8 @@ def load_checkpoint(
         quantizer = prepare_quantization(module, spec, plan, device or torch.device("cpu"))
         report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected,
                             missing=plan.missing, key_note=plan.prefix_note)
-        _stream(module, ckpt, plan, quantizer, report, progress)
+        release_all_rope(module, device or torch.device("cpu"))  # litgpt's RoPE tables: sized when first used
+        _stream(module, ckpt, plan, quantizer, report, progress, transform)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         _finish_buffers(module, device, dtype)
         report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
@@ -198,7 +204,7 @@ def load_checkpoint(
 
 
 def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, report: LoadReport,
-            progress: bool | None) -> None:
+            progress: bool | None, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
     show = progress if progress is not None else sys.stderr.isatty()
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not show, leave=False)
@@ -206,7 +212,9 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     try:
         with torch.no_grad():
             for target, tensor in read_ahead(plan.targets, lambda t: ckpt.read(t.record.key),
-                                             lambda t: t.record.nbytes, _window(plan, quantizer)):
+                                             lambda t: t.record.nbytes, _window(plan, quantizer, transform)):
+                if transform is not None:  # e.g. litgpt's qkv reassembly of an HF checkpoint
+                    tensor = transform(target.names[0], tensor)
                 tensor = tensor.to(dtype=target.dtype).to(device=target.device)
                 if quantizer is None or not quantizer.load(module, target.names[0], tensor):
                     assign(module, target.names, tensor, target.is_parameter)
@@ -222,9 +230,9 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         bar.close()
 
 
-def _window(plan: LoadPlan, quantizer: object) -> int:
+def _window(plan: LoadPlan, quantizer: object, transform: object) -> int:
     """Bytes to read ahead: none when what is read is a transient copy, else READ_AHEAD_FINAL."""
-    transient = quantizer is not None or any(
+    transient = quantizer is not None or transform is not None or any(
         t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
     return 0 if transient else READ_AHEAD_FINAL
 

@@ -16,7 +16,7 @@ final model plus one tensor in flight.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ class LowMemStrategy(SingleDeviceStrategy):
         strict: None: the ``strict`` argument of each ``load``/``load_raw`` call decides; a bool overrides it.
         key_map: checkpoint-to-module key renames (dict of prefixes or a callable).
         progress: show a progress bar; default: when stderr is a terminal.
+        transform: ``transform(module_name, tensor)`` on each tensor as read (an HF checkpoint's qkv reordering).
 
     Example::
 
@@ -98,11 +99,12 @@ class LowMemStrategy(SingleDeviceStrategy):
         strict: bool | None = None,
         key_map: KeyMap | None = None,
         progress: bool | None = None,
+        transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
         self.options = LoadOptions(quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict,
-                                   key_map=key_map, progress=progress)
+                                   key_map=key_map, progress=progress, transform=transform)
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.reports: list[LoadReport] = []

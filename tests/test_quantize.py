@@ -170,6 +170,7 @@ def test_litgpt_matches_quantize_after_load(lit_checkpoint, scheme, chunk_elemen
     if chunk_elements is not None:  # 1000 elements: blocks of 7 rows of 128, a ragged last block
         monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", chunk_elements)
     model, report = lit_load(lit_checkpoint, quantize=scheme)
+    assert report.bytes_loaded == module_nbytes(model)  # before a forward grows litgpt's lazily built RoPE tables
     full, _ = lit_load(lit_checkpoint)
     full_logits = logits(full)
     ref = quantize_after_load(full, scheme)
@@ -186,7 +187,6 @@ def test_litgpt_matches_quantize_after_load(lit_checkpoint, scheme, chunk_elemen
     assert report.quantized_bytes_before == sum(model.get_submodule(n).in_features * model.get_submodule(n).out_features
                                                 * 2 for n in report.quantized)
     assert report.quantized_bytes_after < report.quantized_bytes_before * (0.56 if "int8" in scheme else 0.35)
-    assert report.bytes_loaded == module_nbytes(model)
 
 
 @pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4-dq", "bnb.fp4", "bnb.int8", "torchao.int8wo"] if s in ON_CPU])

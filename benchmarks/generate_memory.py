@@ -1,0 +1,217 @@
+"""Generation memory: litgpt's CLI and Python API against lightning_lowmem, each path in a fresh process.
+
+pythia-1b config with random weights (a litgpt checkpoint directory written
+here, with a word-level tokenizer whose token ``w<i>`` is id ``i``), a 64-token
+prompt, 50 new tokens, greedy (``top_k=1``), batch 1, CPU.
+
+Paths:
+  litgpt-cli          ``litgpt generate <dir>`` (run in-process through litgpt's own CLI entry point)
+  litgpt-api          ``LLM.load(dir).generate(...)``
+  litgpt-api-patched  the same after ``lightning_lowmem.patch_litgpt()``
+  script              ``examples/generate.py --checkpoint_dir <dir>``
+  entry-point         ``lightning_lowmem.generate(dir, ...)``
+
+Each child reports its whole-process peak RSS (``VmHWM``), the KV-cache bytes
+the model held during generation and tokens/s; the table also has the estimate.
+
+    python benchmarks/generate_memory.py [--workdir /tmp/lowmem-bench] [--quantize none bnb.nf4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import runpy
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ("litgpt-cli", "litgpt-api", "litgpt-api-patched", "script", "entry-point")
+PROMPT_TOKENS, NEW_TOKENS = 64, 50
+MiB = 2**20
+
+
+def prompt_text() -> str:
+    return " ".join(f"w{i}" for i in range(1, PROMPT_TOKENS + 1))
+
+
+def write_checkpoint(directory: Path, model_name: str) -> None:
+    """A litgpt checkpoint directory with random bf16 weights and a word-level tokenizer."""
+    import torch
+    from litgpt import GPT, Config
+    from litgpt.utils import save_config
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = Config.from_name(model_name)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    model = GPT(config)
+    torch.save(model.state_dict(), directory / "lit_model.pth")
+    save_config(config, directory)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.padded_vocab_size)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                 "add_bos_token": False}))
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _ids(text: str) -> list[int]:
+    return [int(tok[1:]) for tok in text.split() if re.fullmatch(r"w\d+", tok)]
+
+
+def child(path: str, directory: Path, quantize: str | None) -> dict:
+    """Run one path in this (fresh) process; returns what it measured."""
+    import torch
+
+    torch.manual_seed(1234)
+    kv_seen = _record_kv_at_first_cached_forward()
+    out: dict = {"path": path}
+    if path in ("litgpt-api", "litgpt-api-patched"):
+        from litgpt.api import LLM
+
+        if path.endswith("patched"):
+            import lightning_lowmem
+
+            lightning_lowmem.patch_litgpt()
+        llm = LLM.load(str(directory), distribute=None)
+        llm.distribute(accelerator="cpu", precision="bf16-true", quantize=quantize)
+        t0 = time.perf_counter()
+        tokens = llm.generate(prompt_text(), max_new_tokens=NEW_TOKENS, top_k=1, return_as_token_ids=True)
+        seconds = time.perf_counter() - t0
+        out.update(new=tokens.tolist(), tokens_per_s=len(tokens) / seconds)
+    elif path == "entry-point":
+        import lightning_lowmem
+
+        result = lightning_lowmem.generate(directory, prompt_text(), max_new_tokens=NEW_TOKENS, top_k=1,
+                                           quantize=quantize, precision="bf16-true")
+        out.update(new=result.new_tokens[0].tolist(), tokens_per_s=result.tokens_per_second)
+    else:
+        out.update(_run_cli(path, directory, quantize))
+    out["kv"] = kv_seen[0] if kv_seen else 0
+    out["peak_rss"] = _peak_rss()
+    return out
+
+
+def _record_kv_at_first_cached_forward() -> list[int]:
+    """Records the KV bytes the model holds when generation starts (litgpt converts fp32 k/v in that forward)."""
+    from litgpt.model import GPT
+
+    from lightning_lowmem.kv_cache import cache_bytes
+
+    seen: list[int] = []
+    original = GPT.forward
+
+    def forward(self, *args, **kwargs):  # allocates nothing
+        if not seen and self.mask_cache is not None:
+            seen.append(cache_bytes(self).kv)
+        return original(self, *args, **kwargs)
+
+    GPT.forward = forward
+    return seen
+
+
+def _run_cli(path: str, directory: Path, quantize: str | None) -> dict:
+    """litgpt's CLI or examples/generate.py, run in this process with its own argv; stdout/stderr captured."""
+    flags = ["--prompt", prompt_text(), "--max_new_tokens", str(NEW_TOKENS), "--top_k", "1",
+             "--precision", "bf16-true"] + (["--quantize", quantize] if quantize else [])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        if path == "litgpt-cli":
+            from litgpt.__main__ import main
+
+            sys.argv = ["litgpt", "generate", str(directory), *flags]
+            main()
+        else:
+            sys.argv = ["generate.py", "--checkpoint_dir", str(directory), *flags]
+            with contextlib.suppress(SystemExit):
+                runpy.run_path(str(ROOT / "examples" / "generate.py"), run_name="__main__")
+    speed = re.search(r"([\d.]+) tokens/sec", stderr.getvalue())
+    lines = [line for line in stdout.getvalue().splitlines() if line.startswith("w")]
+    return {"new": _ids(lines[-1])[PROMPT_TOKENS:] if lines else [],
+            "tokens_per_s": float(speed.group(1)) if speed else 0.0}
+
+
+def run_child(path: str, directory: Path, quantize: str | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", path, "--workdir", str(directory.parent),
+           "--quantize", quantize or "none"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"path": path, "error": tail[:160]}
+    return json.loads(lines[-1])
+
+
+def estimate(directory: Path, quantize: str | None) -> int:
+    from lightning_lowmem import estimate_memory
+
+    est = estimate_memory(directory, quantize=quantize, max_seq_length=PROMPT_TOKENS + NEW_TOKENS,
+                          prompt_length=PROMPT_TOKENS)
+    return est.peak
+
+
+def table(rows: list[dict], quantize: str | None, floor: int, est: int) -> str:
+    ref = next((r["new"] for r in rows if "new" in r and r["path"] == "litgpt-cli"), None)
+    lines = [f"\n### {quantize or 'bf16'}: estimate {est / MiB:.0f} MiB above the import floor "
+             f"(floor: `import torch, litgpt, lightning_lowmem` = {floor / MiB:.0f} MiB)\n",
+             "| path | peak RSS (MiB) | peak - floor (MiB) | KV cache (MiB) | tokens/s | same tokens as CLI |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['path']} | failed: {r['error']} | | | | |")
+            continue
+        same = "yes" if ref is not None and r["new"] == ref else ("-" if ref is None else "no")
+        lines.append(f"| {r['path']} | {r['peak_rss'] / MiB:.0f} | {(r['peak_rss'] - floor) / MiB:.0f} | "
+                     f"{r['kv'] / MiB:.2f} | {r['tokens_per_s']:.1f} | {same} |")
+    return "\n".join(lines)
+
+
+def import_floor() -> int:
+    code = ("import torch, litgpt, litgpt.api, lightning_lowmem\n"
+            "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/lowmem-bench"))
+    parser.add_argument("--model", default="pythia-1b")
+    parser.add_argument("--quantize", nargs="+", default=["none", "bnb.nf4"])
+    parser.add_argument("--paths", nargs="+", default=list(PATHS))
+    parser.add_argument("--child", default=None)
+    args = parser.parse_args()
+    directory = args.workdir / args.model
+    if args.child:
+        quantize = None if args.quantize[0] == "none" else args.quantize[0]
+        print(json.dumps(child(args.child, directory, quantize)))
+        return
+    if not (directory / "lit_model.pth").is_file():
+        write_checkpoint(directory, args.model)
+    import torch
+
+    print(f"{args.model}, random weights, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} new tokens, greedy, CPU "
+          f"({os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__})")
+    floor = import_floor()
+    for q in args.quantize:
+        quantize = None if q == "none" else q
+        rows = [run_child(path, directory, quantize) for path in args.paths]
+        print(table(rows, quantize, floor, estimate(directory, quantize)))
+
+
+if __name__ == "__main__":
+    main()

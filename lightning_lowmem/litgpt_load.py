@@ -1,0 +1,137 @@
+"""A litgpt ``GPT`` from a checkpoint directory, through ``Fabric(strategy=LowMemStrategy(...))``.
+
+Two layouts are read:
+
+* litgpt's: ``lit_model.pth`` + ``model_config.yaml`` (+ tokenizer files);
+* HF's: ``model.safetensors`` (or a sharded ``*.index.json`` set, or
+  ``pytorch_model.bin``) renamed by litgpt's own conversion
+  (:mod:`lightning_lowmem.hf_litgpt`); the litgpt config comes from
+  ``model_config.yaml`` when present, else from the directory's name, as
+  ``litgpt convert_to_litgpt`` does.
+
+The model is built on the meta device, RoPE tables included, so nothing the
+size of the whole context is allocated, then streamed in (and quantized) by the
+strategy's ``fabric.load_raw``: caches are sized per request by
+:func:`~lightning_lowmem.setup_kv_cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
+from lightning_lowmem.hf_litgpt import hf_to_litgpt
+from lightning_lowmem.loader import LoadReport
+from lightning_lowmem.materialize import init_empty
+
+_PRECISION = {torch.bfloat16: "bf16-true", torch.float16: "16-true", torch.float32: "32-true"}
+_HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+             "pytorch_model.bin")
+
+
+@dataclass
+class LitgptCheckpoint:
+    """What is in a checkpoint directory: where the weights are, the config, the tokenizer if any."""
+
+    directory: Path
+    weights: Path
+    config: Any
+    is_hf: bool
+    tokenizer: Any | None
+
+    @classmethod
+    def find(cls, checkpoint_dir: str | Path, config: Any | None = None) -> LitgptCheckpoint:
+        """Inspect ``checkpoint_dir`` (reads no weights).
+
+        Raises:
+            CheckpointNotFoundError: no ``lit_model.pth`` and no HF weights in the directory.
+            ValueError: no config given, no ``model_config.yaml``, and the directory's name is no litgpt model name.
+        """
+        directory = Path(checkpoint_dir)
+        weights, is_hf = _weights_file(directory)
+        return cls(directory=directory, weights=weights, config=config or _config(directory, is_hf),
+                   is_hf=is_hf, tokenizer=_tokenizer(directory))
+
+
+def build_meta_gpt(config: Any) -> nn.Module:
+    """litgpt's ``GPT(config)`` with every parameter and buffer on meta (no RoPE computed)."""
+    from litgpt import GPT
+
+    with init_empty(include_buffers=True):
+        return GPT(config)
+
+
+def load_litgpt(
+    checkpoint: LitgptCheckpoint,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    quantize: str | None = None,
+) -> tuple[nn.Module, LoadReport]:
+    """Load through ``Fabric(strategy=LowMemStrategy(...))``: built on meta, streamed (and quantized) in.
+
+    Returns:
+        ``(model, report)``: the model set up by Fabric (``fabric.setup_module``), in eval mode,
+        and the loader's report.
+    """
+    import lightning as L
+
+    from lightning_lowmem.strategy import LowMemStrategy
+
+    device = torch.device(device or "cpu")
+    options: dict[str, Any] = {}
+    if checkpoint.is_hf:
+        with Checkpoint.open(checkpoint.weights) as ckpt:
+            conversion = hf_to_litgpt(checkpoint.config, ckpt.records)
+        options = {"key_map": conversion.key_map, "transform": conversion.transform}
+    strategy = LowMemStrategy(device=device, quantize=quantize, dtype=dtype, **options)
+    fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=_PRECISION[dtype])
+    with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
+        model = build_meta_gpt(checkpoint.config)
+    fabric.load_raw(checkpoint.weights, model)
+    model = fabric.setup_module(model)
+    return model.eval(), strategy.reports[-1]
+
+
+def _weights_file(directory: Path) -> tuple[Path, bool]:
+    if (directory / "lit_model.pth").is_file():
+        return directory / "lit_model.pth", False
+    for name in _HF_FILES:
+        if (directory / name).is_file():
+            return directory / name, True
+    shards = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if len(shards) == 1:
+        return shards[0], True
+    raise CheckpointNotFoundError(
+        f"No checkpoint in {str(directory)!r}: expected lit_model.pth (litgpt) or model.safetensors / "
+        f"model.safetensors.index.json / pytorch_model.bin (HF). Found: "
+        f"{sorted(p.name for p in directory.iterdir())[:10] if directory.is_dir() else 'no such directory'}."
+    )
+
+
+def _config(directory: Path, is_hf: bool) -> Any:
+    from litgpt import Config
+
+    if (directory / "model_config.yaml").is_file():
+        return Config.from_file(directory / "model_config.yaml")
+    try:
+        return Config.from_name(directory.name)
+    except ValueError as e:
+        raise ValueError(
+            f"No model_config.yaml in {str(directory)!r} and its name {directory.name!r} is no litgpt model name. "
+            "Pass config=litgpt.Config.from_name('<model name>'), or name the directory after the model "
+            "(e.g. checkpoints/EleutherAI/pythia-1b)."
+        ) from e
+
+
+def _tokenizer(directory: Path) -> Any | None:
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from litgpt.tokenizer import Tokenizer
+
+    return Tokenizer(directory)
