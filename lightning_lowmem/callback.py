@@ -31,6 +31,7 @@ from lightning_lowmem.lightning_state import has_meta, module_to_device_skipping
 from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
 
 
@@ -54,6 +55,9 @@ class LowMemCallback(pl.Callback):
             Default False: checkpoints hold what trains, and a run restored from one
             (``ckpt_path=...``) gets the frozen weights from ``checkpoint`` again.
         progress: show a progress bar; default: when stderr is a terminal.
+        max_memory: device budgets such as ``{"cuda:0": "6GiB", "cpu": "20GiB"}``; a placement plan
+            decides each layer's device (see :func:`~lightning_lowmem.placement_plan`).
+        context: tokens of KV cache the placement plan reserves room for.
 
     Example::
 
@@ -72,10 +76,12 @@ class LowMemCallback(pl.Callback):
         key_map: KeyMap | None = None,
         save_frozen: bool = False,
         progress: bool | None = None,
+        max_memory: MaxMemory | None = None,
+        context: int | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.options = LoadOptions(quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict,
-                                   key_map=key_map, progress=progress)
+                                   key_map=key_map, progress=progress, max_memory=max_memory, context=context)
         self.save_frozen = save_frozen
         self.report: LoadReport | None = None
         self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()

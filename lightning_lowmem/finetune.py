@@ -31,6 +31,7 @@ from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.errors import CheckpointMismatchError, MetaTensorError, format_names
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import owner_of
+from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
 from lightning_lowmem.quantize import QuantizeSpec
 
@@ -49,6 +50,9 @@ class LoadOptions:
         key_map: checkpoint-to-module renames (see :func:`~lightning_lowmem.load_checkpoint`).
         progress: progress bar; None: when stderr is a terminal.
         transform: ``transform(module_name, tensor)`` on each tensor as read (see :func:`load_checkpoint`).
+        max_memory: device budgets (``{"cuda:0": "6GiB", "cpu": "20GiB"}``): a placement plan decides each
+            layer's device instead of the strategy's device (see :func:`~lightning_lowmem.placement_plan`).
+        context: tokens of KV cache the placement plan reserves room for.
     """
 
     quantize: str | None = None
@@ -58,6 +62,8 @@ class LoadOptions:
     key_map: KeyMap | None = None
     progress: bool | None = None
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    max_memory: MaxMemory | None = None
+    context: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
@@ -104,7 +110,8 @@ def load_for_finetuning(
     if initialized:
         log.info("Initialized %d parameters that are not in %s: %s", len(initialized), files,
                  format_names(initialized))
-    return load_checkpoint(module, checkpoint, device=device, dtype=dtype, quantize=options.quantize,
+    return load_checkpoint(module, checkpoint, device=None if options.max_memory else device, dtype=dtype,
+                           quantize=options.quantize, max_memory=options.max_memory, context=options.context,
                            skip_quantize=list(options.skip_quantize) if options.skip_quantize is not None else None,
                            strict=strict and not plan.missing, key_map=options.key_map, progress=options.progress,
                            transform=options.transform)

@@ -193,3 +193,13 @@ def test_cuda_predict_equals_eager(tmp_path, litgpt_model):
     out = trainer.predict(lit, _data())
     expected = _eager(litgpt_model, torch.bfloat16).cuda()(next(iter(_data())).cuda())
     torch.testing.assert_close(out[0].cuda(), expected, rtol=0, atol=0)
+
+
+def test_max_memory_too_small_fails_before_training(tmp_path, litgpt_model):
+    from lightning_lowmem import MemoryBudgetError
+
+    path = write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)
+    lit = LitGPT(litgpt_model.config)
+    with pytest.raises(MemoryBudgetError, match=r"cannot hold one layer.*available 4096 bytes"):
+        _trainer(LowMemCallback(path, max_memory={"cpu": "4KiB"}, context=16), max_steps=2).fit(lit, _data())
+    assert not getattr(lit, "optimizer_configured", False)

@@ -327,3 +327,28 @@ def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize):
         torch.testing.assert_close(ours, reference, rtol=0, atol=0)
     else:
         assert torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0) > 0.98
+
+
+def test_max_memory_is_passed_to_the_placement_plan(tmp_path, litgpt_model):
+    """A budget too small for one layer fails before any weight is read; one that holds the model loads it."""
+    from litgpt import GPT
+
+    from lightning_lowmem import MemoryBudgetError
+
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    fabric = _fabric("instance", "32-true", max_memory={"cpu": "4KiB"}, context=16)
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    with pytest.raises(MemoryBudgetError) as err:
+        fabric.load_raw(path, model)
+    assert err.value.needed > err.value.available == 4096
+    assert all(p.is_meta for p in model.parameters())
+
+    fabric = _fabric("instance", "32-true", max_memory={"cpu": "1GiB"}, context=16)
+    with fabric.init_module():
+        model = GPT(litgpt_model.config)
+    fabric.load_raw(path, model)
+    report = fabric.strategy.reports[-1]
+    assert report.placement is not None and not report.placement.offloaded
+    x = torch.randint(0, 96, (1, 8))
+    torch.testing.assert_close(model.eval()(x), litgpt_model(x), rtol=0, atol=0)
