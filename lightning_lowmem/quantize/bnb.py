@@ -91,7 +91,9 @@ class Bnb4bit(BnbScheme):
             packed, state = F.quantize_4bit(rows, blocksize=self.blocksize, quant_type=self.quant_type)
             return packed, state.absmax
 
-        packed, absmax = map_rows(weight, quantize, align=self.blocksize)
+        n = weight.numel()
+        packed, absmax = map_rows(weight, quantize, lengths=((n + 1) // 2, -(-n // self.blocksize)),
+                                  align=self.blocksize)
         # the rest as quantize_4bit does it, on the whole weight's scales
         common = dict(shape=weight.shape, dtype=weight.dtype, blocksize=self.blocksize, quant_type=self.quant_type,
                       code=F.get_4bit_type(self.quant_type, device=weight.device))
@@ -164,7 +166,7 @@ class BnbInt8(BnbScheme):
             qrows, scales, _ = F.int8_vectorwise_quant(rows.to(torch.float16))  # as Int8Params._quantize
             return qrows, scales
 
-        qweight, scales = map_rows(weight.contiguous(), quantize)
+        qweight, scales = map_rows(weight.contiguous(), quantize, lengths=(weight.shape[0], weight.shape[0]))
         module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
 
 

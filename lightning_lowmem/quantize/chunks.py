@@ -39,18 +39,34 @@ def rows_per_chunk(shape: Sequence[int], align: int = 1, chunk_elements: int | N
 
 
 def map_rows(weight: torch.Tensor, quantize: Callable[[torch.Tensor], Sequence[torch.Tensor]],
-             align: int = 1) -> tuple[torch.Tensor, ...]:
-    """``quantize`` blocks of rows of ``weight`` and concatenate each of its outputs along dim 0.
+             lengths: Sequence[int], align: int = 1) -> list[torch.Tensor]:
+    """``quantize`` blocks of rows of ``weight``, writing each of its outputs into one tensor along dim 0.
 
     Args:
         weight: a 2-D weight.
         quantize: returns the tensors that hold a block's quantized data; each must be laid
             out along dim 0 in the order of the block's elements.
+        lengths: the dim-0 length of each output for the whole weight (dtype and other dims are
+            taken from the first block's outputs).
         align: block boundaries fall on multiples of this many elements (the scheme's blocksize).
+
+    Returns:
+        The outputs for the whole weight: the same as ``quantize(weight)``.
     """
     rows = weight.shape[0]
     step = rows_per_chunk(weight.shape, align)
     if step >= rows:
-        return tuple(quantize(weight))
-    parts = [tuple(quantize(weight[start:start + step])) for start in range(0, rows, step)]
-    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+        return list(quantize(weight))
+    outputs: list[torch.Tensor] = []
+    offsets = [0] * len(lengths)
+    for start in range(0, rows, step):
+        pieces = quantize(weight[start:start + step])
+        if not outputs:  # written into as they come: no list of pieces, no concatenated copy
+            outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths)]
+        for i, piece in enumerate(pieces):
+            outputs[i][offsets[i]:offsets[i] + piece.shape[0]] = piece
+            offsets[i] += piece.shape[0]
+        del pieces
+    if offsets != list(lengths):
+        raise RuntimeError(f"Quantized blocks filled {offsets} rows of outputs sized {list(lengths)}.")
+    return outputs
