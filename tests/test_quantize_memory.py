@@ -1,6 +1,6 @@
 """Quantize on load keeps the peak near the quantized model: measured in a fresh process.
 
-Model: a litgpt GPT of 109 M parameters (208 MiB in bf16; 6 layers of 12.6 M, the
+Model: a litgpt GPT of 160 M parameters (304 MiB in bf16; 10 layers of 12.6 M, the
 largest Linear 4 Mi elements, 8 MiB in bf16). bitsandbytes weights are quantized in
 blocks of rows; the child process scales the block down to 1 Mi elements so that the
 largest Linear takes 4 blocks, as pythia-1b's do with the default 4 Mi.
@@ -11,7 +11,9 @@ and 76-80 MiB (bnb.fp4-dq): the weight being quantized, the temporaries of one b
 (torchao: of the whole weight), the quantized blocks while they are joined, and what
 the allocator has not handed back yet. The bound below leaves ~35 MiB over the
 largest of the two schemes tested. A loader that kept the full-precision weights
-would peak above the bf16 size (208 MiB) and fail.
+would peak above the bf16 size (304 MiB) and fail. (With 6 layers, torchao.int8wo's
+peak once came within 2 MiB of the bf16 size in a fresh clone: 10 layers leave that
+check a margin of ~60 MiB.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from safetensors.torch import save_file
 
 litgpt = pytest.importorskip("litgpt")
 
-CONFIG = dict(n_layer=6, n_embd=1024, n_head=8, block_size=128, vocab_size=16384, padded_vocab_size=16384,
+CONFIG = dict(n_layer=10, n_embd=1024, n_head=8, block_size=128, vocab_size=16384, padded_vocab_size=16384,
               bias=True, intermediate_size=4096)
 MARGIN = 96 * 2**20
 
@@ -65,7 +67,8 @@ def test_peak_is_quantized_model_plus_a_layer(checkpoint, scheme):
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["quantized"] == 6 * 4
+    print(scheme, {k: round(v / 2**20, 1) if k != "quantized" else v for k, v in result.items()})
+    assert result["quantized"] == CONFIG["n_layer"] * 4
     assert result["final"] < 0.7 * result["read"]
     assert result["peak"] <= result["final"] + MARGIN, result
     assert result["peak"] < result["read"], result
