@@ -45,6 +45,7 @@ from torch import nn
 
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.placement import MaxMemory, PlacementPlan, placement_plan
 from lightning_lowmem.plan import KeyMap, make_plan
 from lightning_lowmem.quantize.chunks import CHUNK_ELEMENTS
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP
@@ -77,6 +78,7 @@ class MemoryEstimate:
     library: int = 0
     load_transient: int = 0
     notes: list[str] = field(default_factory=list)
+    placement: PlacementPlan | None = None
 
     @property
     def caches(self) -> int:
@@ -113,7 +115,8 @@ class MemoryEstimate:
         rows = self.rows()
         width = max(len(label) for label, _ in rows)
         lines = [head] + [f"  {label:<{width}}  {format_bytes(n):>12}" for label, n in rows]
-        return "\n".join(lines + [f"  note: {note}" for note in self.notes])
+        placement = [str(self.placement)] if self.placement is not None else []
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes] + placement)
 
 
 def estimate_memory(
@@ -128,6 +131,7 @@ def estimate_memory(
     config: Any | None = None,
     key_map: KeyMap | None = None,
     runtime: int = CPU_RUNTIME,
+    max_memory: MaxMemory | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of loading ``source`` and generating from it, reading headers only.
 
@@ -143,6 +147,9 @@ def estimate_memory(
         config: a litgpt ``Config`` for a checkpoint without ``model_config.yaml``.
         key_map: checkpoint-to-module renames, as for ``load_checkpoint``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
+        max_memory: device budgets (``{"cuda:0": "6GiB", "cpu": "20GiB"}``): the estimate then carries
+            the placement plan (:func:`~lightning_lowmem.placement_plan`): which layer goes where, bytes
+            per device. Needs a litgpt config. Raises ``MemoryBudgetError`` as the load would.
 
     Example::
 
@@ -171,6 +178,12 @@ def estimate_memory(
         _add_caches(est, model, config)
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library if scheme is not None and est.quantized_params else 0
+    if max_memory is not None:
+        if model is None:
+            raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
+        est.placement = placement_plan(model, records, max_memory, context=length, batch_size=batch_size,
+                                       dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
+                                       key_map=key_map, strict=False)
     return est
 
 

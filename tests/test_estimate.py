@@ -152,3 +152,24 @@ def test_estimate_within_5_percent_of_the_measured_peak(tmp_path_factory):
     measured = measure_in_fresh_process(directory, "entry-point")["model_peak"]
     est = estimate_memory(directory, max_seq_length=114, prompt_length=64)
     assert abs(measured - est.peak) <= 0.05 * measured, (measured, str(est))
+
+
+def test_estimate_carries_the_placement_plan():
+    """With max_memory the estimate prints where each layer goes, the same plan a load would use."""
+    from litgpt import Config
+
+    from lightning_lowmem import MemoryBudgetError, init_empty, placement_plan
+
+    config = Config.from_name("pythia-160m")
+    budget = {"cuda:0": "150MiB", "cpu": "4GiB"}
+    est = estimate_memory(config, max_memory=budget, max_seq_length=128)
+    assert est.placement is not None and est.placement.offloaded
+    from litgpt import GPT
+
+    with init_empty():
+        model = GPT(config)
+    direct = placement_plan(model, None, budget, context=128, dtype=torch.bfloat16)
+    assert est.placement.weights_per_device() == direct.weights_per_device()
+    assert "cuda:0" in str(est) and "cpu" in str(est)
+    with pytest.raises(MemoryBudgetError):
+        estimate_memory(config, max_memory={"cuda:0": "1MiB", "cpu": "4GiB"}, max_seq_length=128)
