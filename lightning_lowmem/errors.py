@@ -34,6 +34,10 @@ class UnsupportedQuantizationError(LowMemError, ValueError):
     """A quantization scheme is unknown or has no kernel on the target device."""
 
 
+class DeviceUnavailableError(LowMemError, RuntimeError):
+    """The device a load targets does not exist on this machine or in this PyTorch build."""
+
+
 class MemoryBudgetError(LowMemError):
     """A memory budget cannot hold what was asked for."""
 

@@ -14,51 +14,27 @@ two devices.
 from __future__ import annotations
 
 import fnmatch
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quant_sizes import SCHEMES, scheme_size
+from lightning_lowmem.quantize.selection import DEFAULT_SKIP
 
-# Bytes of a quantized (out_features, in_features) nn.Linear weight of n elements, from the scheme's storage layout
-# (code bits, elements per block scale, bytes per block scale, bytes per output row, double-quantized scales):
-#   bnb.nf4 / bnb.fp4        n/2 4-bit codes + fp32 absmax per 64 elements            ~0.5625 B/param
-#   bnb.nf4-dq / bnb.fp4-dq  n/2 + uint8 absmax per 64 + fp32 absmax per 256 of those
-#                            + one fp32 offset                                         ~0.5159 B/param
-#   bnb.int8                 n int8 codes + fp32 scale per row                         1 + 4/in_features
-#   torchao.int8wo / int8dq  n int8 codes + fp32 scale and int8 zero point per row     1 + 5/in_features
-#   torchao.int4wo           n/2 + bf16 scale and zero per 128-element group           ~0.53125 B/param
-# The bnb rows match bitsandbytes 0.50's quantize_4bit / int8_vectorwise_quant exactly (tests/test_placement.py);
-# the torchao rows follow its 0.18 layouts (int8: per-row scale and zero point; int4: group size 128).
-_QUANT_LAYOUT: dict[str, tuple[int, int, int, int, bool]] = {
-    "bnb.nf4": (4, 64, 4, 0, False),
-    "bnb.fp4": (4, 64, 4, 0, False),
-    "bnb.nf4-dq": (4, 64, 1, 0, True),
-    "bnb.fp4-dq": (4, 64, 1, 0, True),
-    "bnb.int8": (8, 0, 0, 4, False),
-    "torchao.int8wo": (8, 0, 0, 5, False),
-    "torchao.int8dq": (8, 0, 0, 5, False),
-    "torchao.int4wo": (4, 128, 4, 0, False),
-}
-QUANT_SCHEMES = tuple(_QUANT_LAYOUT)
-DEFAULT_SKIP_QUANTIZE = ("lm_head", "*.lm_head")
+QUANT_SCHEMES = tuple(SCHEMES)
 
 
 def quantized_nbytes(scheme: str, out_features: int, in_features: int) -> int:
-    """Bytes a ``scheme``-quantized ``(out_features, in_features)`` weight occupies (see the table above).
+    """Bytes a ``scheme``-quantized ``(out_features, in_features)`` weight occupies (see :mod:`.quant_sizes`).
 
     Example::
 
         >>> quantized_nbytes("bnb.int8", 4096, 4096)  # 16 MiB of codes + 16 KiB of row scales
         16793600
     """
-    bits, block, per_block, per_row, double = _QUANT_LAYOUT[scheme]
-    n = out_features * in_features
-    blocks = math.ceil(n / block) if block else 0
-    scales = blocks * per_block + (4 * math.ceil(blocks / 256) + 4 if double else 0)
-    return math.ceil(n * bits / 8) + scales + per_row * out_features
+    return scheme_size(scheme).nbytes(out_features, in_features)
 
 
 @dataclass
@@ -112,7 +88,7 @@ def group_layers(module: nn.Module, plan: LoadPlan, *, quantize: str | None = No
                  skip_quantize: list[str] | tuple[str, ...] | None = None) -> list[Layer]:
     """The layers of ``module`` in module order, with the bytes each will occupy after the load."""
     blocks = find_blocks(module)
-    patterns = tuple(skip_quantize) if skip_quantize is not None else DEFAULT_SKIP_QUANTIZE
+    patterns = tuple(skip_quantize) if skip_quantize is not None else DEFAULT_SKIP
     layers: dict[str, Layer] = {}
     home: dict[str, str] = {}  # module name -> the layer that holds it (after joining ties)
     for target in plan.targets:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from lightning_lowmem.cache_guard import release_all_rope
 from lightning_lowmem.checkpoint import Checkpoint
+from lightning_lowmem.devices import check_device_available
 from lightning_lowmem.dtype_fallback import apply_dtype_fallback
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
@@ -56,6 +57,7 @@ class LoadReport:
         recomputed: non-persistent buffers rebuilt after the load.
         key_note: the key prefix that was guessed, if any.
         quantized: quantized module name -> scheme.
+        left_out: ``nn.Linear`` module name -> why it stayed in full precision (``quantize`` only).
         quantized_bytes_before / quantized_bytes_after: those modules' weight bytes.
     """
 
@@ -71,6 +73,7 @@ class LoadReport:
     recomputed: list[str] = field(default_factory=list)
     key_note: str = ""
     quantized: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
     placement: PlacementPlan | None = None
@@ -87,6 +90,10 @@ class LoadReport:
             schemes = sorted(set(self.quantized.values()))
             lines.append(f"  quantized {len(self.quantized)} modules with {', '.join(schemes)}: "
                          f"{format_bytes(self.quantized_bytes_before)} -> {format_bytes(self.quantized_bytes_after)}")
+        if self.left_out:
+            lines.append(f"  kept in full precision: " + ", ".join(
+                f"{name} ({why})" for name, why in list(self.left_out.items())[:5])
+                + (f" and {len(self.left_out) - 5} more" if len(self.left_out) > 5 else ""))
         if self.placement is not None:
             per_device = self.placement.weights_per_device()
             lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())
@@ -167,6 +174,7 @@ def load_checkpoint(
         raise ValueError(f"Pass device={device!r} or max_memory=, not both: with max_memory the placement "
                          "plan decides each layer's device.")
     device = torch.device(device) if device is not None else None
+    check_device_available(device)  # before any I/O, and before the monitor touches torch.cuda
     spec = QuantizeSpec.parse(quantize, skip_quantize)  # bad names fail before any I/O
     watched = device
     if max_memory is not None:  # the plan itself may name devices this machine lacks: it is arithmetic
@@ -195,7 +203,7 @@ def load_checkpoint(
         if placement is not None:
             report.placement, report.offload = placement, dispatch(module, placement)
         if quantizer is not None:
-            report.quantized = quantizer.quantized
+            report.quantized, report.left_out = quantizer.quantized, dict(quantizer.left_out)
             report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
     report.memory = monitor.usage
     report.seconds = monitor.usage.seconds
@@ -259,6 +267,6 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch
 
 
 def _cuda_or_none(device: torch.device | None) -> torch.device | None:
-    if device is not None and device.type == "cuda":
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
         return device
     return None

@@ -142,7 +142,9 @@ def test_quantized_bytes_match_bitsandbytes_storage():
         for double in (False, True):
             codes, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type=quant_type,
                                                         compress_statistics=double)
-            stored = codes.nbytes + state.absmax.nbytes + (state.state2.absmax.nbytes + 4 if double else 0)
+            stored = codes.nbytes + state.absmax.nbytes + state.code.nbytes  # the code table is per weight
+            if double:  # uint8 absmax, their own fp32 absmax and code table, and an fp32 offset
+                stored += state.state2.absmax.nbytes + state.state2.code.nbytes + 4
             assert quantized_nbytes(f"bnb.{quant_type}" + ("-dq" if double else ""), 96, 160) == stored
     codes, scales, _ = bnb.functional.int8_vectorwise_quant(w)
     assert quantized_nbytes("bnb.int8", 96, 160) == codes.nbytes + scales.nbytes

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import lightning_lowmem.quantize.chunks as chunks
-from lightning_lowmem import Checkpoint, UnsupportedQuantizationError, init_empty, load_checkpoint
+from lightning_lowmem import Checkpoint, DeviceUnavailableError, UnsupportedQuantizationError, init_empty, load_checkpoint
 from lightning_lowmem.plan import make_plan
 from lightning_lowmem.quantize import (
     SCHEMES,
@@ -176,6 +176,7 @@ def test_litgpt_matches_quantize_after_load(lit_checkpoint, scheme, chunk_elemen
     ref = quantize_after_load(full, scheme)
 
     assert report.quantized == {name: scheme for name in lit_linears()}
+    assert set(report.left_out) == {"lm_head"} and "kept in full precision: lm_head (" in str(report)
     out = logits(model)
     torch.testing.assert_close(out, logits(ref), rtol=0, atol=0)
     assert_same_weights(model, ref)
@@ -330,6 +331,20 @@ def test_cuda_scheme_without_cuda_names_the_device(lit_checkpoint):
     with pytest.raises(UnsupportedQuantizationError, match=r"'bnb\.int8' cannot run on device 'cuda'.*CUDA is not"):
         prepare_quantization(model, QuantizeSpec.parse("bnb.int8", None), plan, torch.device("cuda"))
     assert type(model.transformer.h[0].mlp.fc) is nn.Linear
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+@pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
+def test_load_to_cuda_without_cuda_fails_before_reading(lit_checkpoint, monkeypatch, quantize):
+    reads = []
+    original = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key: reads.append(key) or original(self, key))
+    with init_empty():
+        model = litgpt.GPT(litgpt.Config(**LIT_CONFIG))
+    with pytest.raises(DeviceUnavailableError, match=r"device='cuda:1'.*CUDA is not available.*device='cpu'"):
+        load_checkpoint(model, lit_checkpoint, device="cuda:1", dtype=torch.bfloat16, quantize=quantize)
+    assert reads == []
+    assert all(p.is_meta for p in model.parameters())
 
 
 def test_scheme_configs_are_validated_frozen_and_registered():

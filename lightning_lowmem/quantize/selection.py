@@ -23,8 +23,8 @@ from torch import nn
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.schemes import QuantScheme
 
-DEFAULT_SKIP = ("lm_head", "*.lm_head")
-"""Module-name globs left in full precision when ``skip_quantize`` is not given."""
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "lm_head.linear", "*.lm_head.linear")
+"""Module-name globs left in full precision when ``skip_quantize`` is not given (``.linear``: litgpt's LoRA head)."""
 
 
 @dataclass

@@ -1,0 +1,34 @@
+"""Checks on the device a load targets, made before any file is opened."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_lowmem.errors import DeviceUnavailableError
+
+
+def check_device_available(device: torch.device | None) -> None:
+    """Raise :class:`DeviceUnavailableError` if ``device`` cannot hold tensors here.
+
+    CPU and meta always can. A CUDA device needs a CUDA build of PyTorch, a visible GPU and,
+    for ``cuda:N``, at least ``N + 1`` of them.
+    """
+    if device is None or device.type in ("cpu", "meta"):
+        return
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"PyTorch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+            raise DeviceUnavailableError(
+                f"device={str(device)!r} was asked for, but CUDA is not available ({build}; "
+                "no GPU visible). Load with device='cpu' (quantized schemes bnb.* and torchao.int8* run there), "
+                "or install a CUDA build of torch on a machine with a GPU.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(
+                f"device={str(device)!r} was asked for, but this machine has {torch.cuda.device_count()} "
+                f"CUDA device(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1}).")
+        return
+    module = getattr(torch, device.type, None)
+    available = getattr(module, "is_available", None)
+    if callable(available) and not available():
+        raise DeviceUnavailableError(f"device={str(device)!r} was asked for, but {device.type} is not available "
+                                     "on this machine. Load with device='cpu'.")
