@@ -8,6 +8,7 @@ from conftest import FORMATS, tiny_litgpt_config, write_checkpoint
 from torch import nn
 
 from lightning_lowmem import (
+    CheckpointFormatError,
     CheckpointMismatchError,
     MetaTensorError,
     init_empty,
@@ -204,3 +205,27 @@ def test_load_straight_to_cuda(tmp_path, litgpt_model):
     x = torch.randint(0, 96, (1, 8))
     expected = _eager(litgpt_model, torch.bfloat16)(x)
     torch.testing.assert_close(model.eval()(x.cuda()).cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "sharded-safetensors", "pth"])
+def test_read_failing_mid_load_leaves_everything_on_meta(tmp_path, litgpt_model, kind):
+    """The file is cut short while the load runs (another process rewriting it): a real read error, half-way."""
+    import os
+
+    path = write_checkpoint(litgpt_model.state_dict(), kind, tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors")) or [path]
+    seen: list[str] = []
+
+    def truncate_after_first(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not seen:
+            for f in files:
+                os.truncate(f, os.path.getsize(f) // 2)
+        seen.append(name)
+        return tensor
+
+    model = _meta_gpt()
+    with pytest.raises(CheckpointFormatError, match=r"could not read tensor|truncated") as error:
+        load_checkpoint(model, path, dtype=torch.bfloat16, transform=truncate_after_first, progress=False)
+    assert str(files[0].parent) in str(error.value)
+    assert 1 <= len(seen) < len(litgpt_model.state_dict())  # it failed half-way, after loading something
+    assert all(t.is_meta for t in model.state_dict().values())  # nothing that looks loaded is handed back
