@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
 from pathlib import Path
 
 import torch
@@ -9,6 +12,7 @@ from safetensors import safe_open
 
 from lightning_lowmem.errors import CheckpointFormatError
 from lightning_lowmem.records import TensorRecord
+from lightning_lowmem.torch_file import read_exactly
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -19,19 +23,21 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 class SafetensorsFile:
-    """A safetensors file opened with the ``pread`` backend.
+    """A safetensors file, validated by the ``safetensors`` package, read with ``os.preadv``.
 
-    Each :meth:`read` copies one tensor out of the file with ``pread`` into fresh
-    memory; no ``mmap`` is held, so a tensor kept after the load pins nothing
-    and untouched pages are never counted in this process's RSS.
+    Opening checks the header with ``safe_open`` (offsets that cover the file exactly,
+    known dtypes). Each :meth:`read` then copies one tensor straight from the file
+    into a fresh tensor with ``preadv`` (no intermediate buffer, measured faster than
+    ``safe_open``'s own pread backend); no ``mmap`` is held, so a tensor kept after
+    the load pins nothing and untouched pages are never counted in this process's RSS.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self._handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
-            self._handle.__enter__()
-            self._records = {key: self._record(key) for key in self._handle.keys()}
+            with safe_open(str(path), framework="pt", device="cpu", backend="pread") as handle:
+                self._records = {key: self._record(handle, key) for key in handle.keys()}
+            self._fd = os.open(path, os.O_RDONLY)
         except CheckpointFormatError:
             raise
         except Exception as e:  # safetensors raises its own SafetensorError type
@@ -39,9 +45,16 @@ class SafetensorsFile:
                 f"{path} is not a readable safetensors file ({type(e).__name__}: {e}). It may be truncated or "
                 "still downloading: compare its size with the source and download it again."
             ) from e
+        self._offsets = self._read_offsets()
 
-    def _record(self, key: str) -> TensorRecord:
-        view = self._handle.get_slice(key)
+    def _read_offsets(self) -> dict[str, int]:
+        """Absolute byte offset of each tensor's data (the header was validated by ``safe_open``)."""
+        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        header = json.loads(os.pread(self._fd, size, 8))
+        return {key: 8 + size + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}
+
+    def _record(self, handle, key: str) -> TensorRecord:
+        view = handle.get_slice(key)
         name = view.get_dtype()
         if name not in _DTYPES:
             raise CheckpointFormatError(
@@ -54,13 +67,18 @@ class SafetensorsFile:
         return self._records
 
     def read(self, key: str) -> torch.Tensor:
+        record = self._records[key]
+        out = torch.empty(record.shape, dtype=record.dtype)
         try:
-            return self._handle.get_tensor(key)
-        except Exception as e:
+            read_exactly(self._fd, out, self._offsets[key], self.path)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(f"{self.path}: could not read tensor {key!r}: {e}") from e
+        except OSError as e:
             raise CheckpointFormatError(
                 f"{self.path}: could not read tensor {key!r} ({type(e).__name__}: {e}). "
                 "The file may be truncated or corrupt: download or save it again."
             ) from e
+        return out
 
     def close(self) -> None:
-        self._handle.__exit__(None, None, None)
+        os.close(self._fd)
