@@ -176,8 +176,12 @@ class Checkpoint:
         """The entry a torch file's state dict was found under (``state_dict``, ``model``) or ``''``."""
         return next((f.entry for f in self.files if getattr(f, "entry", "")), "")
 
-    def read(self, key: str) -> torch.Tensor:
-        return self._owner[key].read(key)
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read tensor ``key`` into a new tensor, or into ``out`` (contiguous, of its shape and dtype) when given.
+
+        A strided view stored in a torch file is returned as a new tensor even when ``out`` is given.
+        """
+        return self._owner[key].read(key, out)
 
     def __iter__(self) -> Iterator[TensorRecord]:
         return iter(self.records.values())

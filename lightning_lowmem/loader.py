@@ -29,9 +29,9 @@ from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recomp
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, apply_placement, parse_max_memory, plan_placement
-from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
+from lightning_lowmem.plan import KeyMap, LoadPlan, Target, make_plan
 from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
-from lightning_lowmem.readahead import read_ahead
+from lightning_lowmem.readahead import ScratchBuffer, read_ahead
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,8 @@ def load_checkpoint(
             the accelerator for their forward (``report.offload``, see :mod:`lightning_lowmem.offload`).
         context: tokens of KV cache (prompt + max_new_tokens) the plan reserves room for.
         transform: called as ``transform(module_name, tensor)`` on each tensor as read, before the
-            cast and quantization; returns the tensor to load (same shape as the module's).
+            cast and quantization; returns the tensor to load (same shape as the module's). The
+            tensor passed in may live in a buffer reused for the next read: do not keep it.
 
     Returns:
         A :class:`LoadReport`.
@@ -217,10 +218,19 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not show, leave=False)
     loaded: list[list[str]] = []
+    window = _window(plan, quantizer, transform)
+    copied = [t for t in plan.targets if _copied_after_read(t, quantizer)] if window == 0 else []
+    scratch = ScratchBuffer(max(t.record.nbytes for t in copied)) if copied else None
+    copied_keys = {t.record.key for t in copied}
+
+    def read(t: Target) -> torch.Tensor:
+        if scratch is not None and t.record.key in copied_keys:
+            return ckpt.read(t.record.key, out=scratch.view(t.record.shape, t.record.dtype))
+        return ckpt.read(t.record.key)
+
     try:
         with torch.no_grad():
-            for target, tensor in read_ahead(plan.targets, lambda t: ckpt.read(t.record.key),
-                                             lambda t: t.record.nbytes, _window(plan, quantizer, transform)):
+            for target, tensor in read_ahead(plan.targets, read, lambda t: t.record.nbytes, window):
                 if transform is not None:  # e.g. litgpt's qkv reassembly of an HF checkpoint
                     tensor = transform(target.names[0], tensor)
                 tensor = tensor.to(dtype=target.dtype).to(device=target.device)
@@ -243,6 +253,12 @@ def _window(plan: LoadPlan, quantizer: object, transform: object) -> int:
     transient = quantizer is not None or transform is not None or any(
         t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
     return 0 if transient else READ_AHEAD_FINAL
+
+
+def _copied_after_read(target: Target, quantizer) -> bool:
+    """Whether what is read for ``target`` is copied before the next read (so it may be read into scratch)."""
+    return (target.dtype != target.record.dtype or target.device.type != "cpu"
+            or (quantizer is not None and quantizer.owns(target.names[0])))
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:

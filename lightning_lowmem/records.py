@@ -43,8 +43,8 @@ class CheckpointFile(Protocol):
 
     def records(self) -> dict[str, TensorRecord]: ...
 
-    def read(self, key: str) -> torch.Tensor:
-        """A new CPU tensor with the stored data, sharing memory with nothing else."""
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A new CPU tensor with the stored data, sharing memory with nothing else (or ``out``, filled)."""
         ...
 
     def close(self) -> None: ...

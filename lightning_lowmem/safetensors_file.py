@@ -66,9 +66,9 @@ class SafetensorsFile:
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         record = self._records[key]
-        out = torch.empty(record.shape, dtype=record.dtype)
+        out = torch.empty(record.shape, dtype=record.dtype) if out is None else out
         try:
             read_exactly(self._fd, out, self._offsets[key], self.path)
         except CheckpointFormatError as e:

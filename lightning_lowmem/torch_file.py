@@ -147,11 +147,11 @@ class TorchZipFile:
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         rec, loc = self._records[key], self._locations[key]
         itemsize = rec.dtype.itemsize
         if loc.contiguous:
-            out = torch.empty(rec.shape, dtype=rec.dtype)
+            out = torch.empty(rec.shape, dtype=rec.dtype) if out is None else out
             if rec.numel:
                 read_exactly(self._fd, out, loc.offset + loc.storage_offset * itemsize, self.path)
             return out

@@ -113,6 +113,10 @@ class Quantizer:
         self.bytes_after = 0
         self._weights = weights  # weight name -> module name
 
+    def owns(self, name: str) -> bool:
+        """Whether weight ``name`` is quantized by this quantizer (so :meth:`load` copies it)."""
+        return name in self._weights
+
     def load(self, module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
         """Quantize ``tensor`` into the module that owns weight ``name``.
 
