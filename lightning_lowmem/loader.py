@@ -219,9 +219,9 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
                disable=not show, leave=False)
     loaded: list[list[str]] = []
     window = _window(plan, quantizer, transform)
-    copied = [t for t in plan.targets if _copied_after_read(t, quantizer)] if window == 0 else []
-    scratch = ScratchBuffer(max(t.record.nbytes for t in copied)) if copied else None
-    copied_keys = {t.record.key for t in copied}
+    size = _scratch_size(plan, quantizer) if window == 0 else 0
+    scratch = ScratchBuffer(size) if size else None
+    copied_keys = {t.record.key for t in plan.targets if _copied_after_read(t, quantizer) and t.record.nbytes <= size}
 
     def read(t: Target) -> torch.Tensor:
         if scratch is not None and t.record.key in copied_keys:
@@ -259,6 +259,21 @@ def _copied_after_read(target: Target, quantizer) -> bool:
     """Whether what is read for ``target`` is copied before the next read (so it may be read into scratch)."""
     return (target.dtype != target.record.dtype or target.device.type != "cpu"
             or (quantizer is not None and quantizer.owns(target.names[0])))
+
+
+def _scratch_size(plan: LoadPlan, quantizer) -> int:
+    """Bytes of the reused read buffer: the largest copied tensor read in the second half of the load.
+
+    The buffer is held to the end, when the model is nearly complete, so it is sized to the transients
+    of that part of the load; a larger tensor read early (litgpt reads ``lm_head`` first) gets fresh
+    memory, freed at once, as without the buffer.
+    """
+    total, done, size = plan.nbytes, 0, 0
+    for target in plan.targets:
+        if done >= total / 2 and _copied_after_read(target, quantizer):
+            size = max(size, target.record.nbytes)
+        done += target.record.nbytes
+    return size
 
 
 def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
