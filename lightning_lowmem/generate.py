@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.heap import release_free_heap
+from lightning_lowmem.quantize.bnb import trim_after_first_forward
 from lightning_lowmem.kv_cache import cache_bytes, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt_load import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.loader import LoadReport
@@ -210,7 +210,7 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
     eos_id = getattr(tokenizer, "eos_id", None)
     if seed is not None:
         torch.manual_seed(seed)
-    _trim_after_first_forward(model)
+    trim_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
     for _ in range(num_samples):
         setup_kv_cache(model, 1, total)  # the first sample allocates, the others reuse (zeroed)
         t0 = time.perf_counter()
@@ -219,26 +219,6 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
         result.tokens.append(tokens)
     if tokenizer is not None:
         result.texts = [tokenizer.decode(t) for t in result.tokens]
-
-
-def _trim_after_first_forward(model: nn.Module) -> None:
-    """Give the heap back after each bitsandbytes layer's first forward.
-
-    On a CPU with AVX512-bf16, bitsandbytes 0.50 repacks a 4-bit weight for its CPU
-    kernel in the layer's first forward (``_convert_weight_packed_for_cpu``: an int32
-    unpacked copy and three byte copies). The freed temporaries stay resident in
-    glibc's heap: pythia-1b nf4's first forward kept +447 MiB; trimmed after each
-    layer, +23 MiB, and the peak is one layer's repack (~7 bytes per weight).
-    """
-    for module in model.modules():
-        if type(module).__module__.startswith("bitsandbytes"):
-            handles = []
-
-            def trim(mod: nn.Module, args: Any, output: Any, handles: list = handles) -> None:
-                release_free_heap()
-                handles.pop().remove()
-
-            handles.append(module.register_forward_hook(trim))
 
 
 def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:
