@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from lightning_lowmem.cache_guard import release_all_rope
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.devices import check_device_available
-from lightning_lowmem.dtype_fallback import apply_dtype_fallback
+from lightning_lowmem.dtype_fallback import apply_dtype_fallback, supports_bf16
 from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recompute_meta_buffers
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch
@@ -288,13 +288,19 @@ def _back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
 
 
 def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
-    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them."""
+    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
+
+    bf16 becomes fp16 on a device without bf16, as the loaded tensors did (:mod:`.dtype_fallback`).
+    """
     for mod in module.modules():
         for name, buf in mod._buffers.items():
             if buf is None or buf.is_meta:
                 continue
+            where = device or buf.device
             cast = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
-            mod._buffers[name] = buf.to(device=device or buf.device, dtype=cast)
+            if cast == torch.bfloat16 and not supports_bf16(where):
+                cast = torch.float16
+            mod._buffers[name] = buf.to(device=where, dtype=cast)
 
 
 def _cuda_or_none(device: torch.device | None) -> torch.device | None:

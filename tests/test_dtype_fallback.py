@@ -19,6 +19,7 @@ class Small(nn.Module):
         self.embed = nn.Embedding(20, 8, dtype=dtype)
         self.proj = nn.Linear(8, 8, dtype=dtype)
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.linspace(0, 1, 8, dtype=dtype), persistent=False)  # like RoPE tables
 
 
 def bf16_checkpoint(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
@@ -37,6 +38,7 @@ def test_bf16_load_falls_back_to_fp16_on_a_device_without_bf16(tmp_path):
         load_checkpoint(model, path, dtype=torch.bfloat16)
     assert model.proj.weight.dtype == torch.float16 and model.embed.weight.dtype == torch.float16
     assert model.steps.dtype == torch.long  # integer tensors are untouched
+    assert model.scale.dtype == torch.float16  # buffers the checkpoint does not hold fall back too
     assert torch.equal(model.proj.weight, state["proj.weight"].to(torch.float16))
     assert torch.equal(model.embed.weight, state["embed.weight"].to(torch.float16))
 
