@@ -31,6 +31,7 @@ from lightning_lowmem.lightning_state import has_meta, module_to_device_skipping
 from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.offload import Offload, move_except_offloaded
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
 
@@ -122,6 +123,8 @@ class LowMemCallback(pl.Callback):
                                           device=trainer.strategy.root_device,
                                           dtype=precision_dtype(trainer.precision_plugin))
         self._loaded.add(pl_module)
+        if self.report.offload is not None:
+            _keep_offloaded_on_host(trainer.strategy, self.report.offload)
         missing = set(self.report.missing)
         self._frozen = {n for n, p in pl_module.named_parameters() if not p.requires_grad and n not in missing}
         self._frozen |= set(self.report.quantized)
@@ -163,6 +166,15 @@ class LowMemCallback(pl.Callback):
 
     def _is_frozen(self, key: str) -> bool:
         return key in self._frozen or any(key.startswith(name + ".") for name in self._frozen)
+
+
+def _keep_offloaded_on_host(strategy: pl.strategies.Strategy, offload: Offload) -> None:
+    """Make this Trainer's ``strategy.model_to_device()`` (called in its ``setup``) skip the offloaded layers."""
+    def model_to_device() -> None:
+        assert strategy.model is not None, "model_to_device before the strategy has a model"
+        move_except_offloaded(strategy.model, strategy.root_device, offload)
+
+    strategy.model_to_device = model_to_device  # type: ignore[method-assign]  # this instance only
 
 
 def _warn_allocated(pl_module: pl.LightningModule, checkpoint: str | Path) -> None:

@@ -108,6 +108,7 @@ class Offload:
                  host: torch.device | str = "cpu", prefetch: bool = True, pin: bool | None = None) -> None:
         self.device = torch.device(device)
         pin = self.device.type == "cuda" and torch.cuda.is_available() if pin is None else pin
+        self.modules = dict(modules)
         self.weights = {name: _Weights(mod, torch.device(host), pin) for name, mod in modules.items()}
         self.prefetch = prefetch
         self.stats = OffloadStats()
@@ -286,3 +287,25 @@ def offloaded(module: nn.Module, offload: OffloadMode, device: torch.device | st
         yield handle
     finally:
         handle.remove()
+
+
+def move_except_offloaded(model: nn.Module, device: torch.device | str, offload: Offload) -> None:
+    """``model.to(device)`` that leaves the modules of ``offload`` alone (their masters stay on the host).
+
+    Lightning's ``SingleDeviceStrategy.setup`` moves the whole model to its device; with
+    layers offloaded, that would put every one of them on the device at once.
+    """
+    device = torch.device(device)
+    skip = {id(m) for m in offload.modules.values()}
+
+    def move(module: nn.Module) -> None:
+        if id(module) in skip:
+            return
+        if not any(id(m) in skip for m in module.modules()):
+            module.to(device)
+            return
+        module._apply(lambda t: t.to(device), recurse=False)  # its own tensors, then each child
+        for child in module.children():
+            move(child)
+
+    move(model)

@@ -228,3 +228,30 @@ def test_cuda_sequential_offload_of_a_text_encoder():
         out = pipe(prompt, latents)  # the prompt is moved in by the hook
     torch.testing.assert_close(out, expected)
     assert all(p.device.type == "cpu" for p in pipe.text_encoder.parameters())
+
+
+def test_trainer_model_to_device_leaves_the_offloaded_layers_on_the_host():
+    """Lightning's SingleDeviceStrategy.setup calls model_to_device(): the whole model, offloaded layers too.
+
+    The strategy is given the meta device as its root so that every tensor it moves is visible (a CPU-only
+    machine has no second real device); LowMemCallback patches model_to_device the same way for CUDA.
+    """
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_lowmem.callback import _keep_offloaded_on_host
+
+    offloaded_names = ("transformer.h.1.", "transformer.h.2.")
+    for guarded in (False, True):
+        model = tiny_gpt()
+        handle = layer_offload(model, "cpu", layers=["transformer.h.1", "transformer.h.2"])
+        strategy = SingleDeviceStrategy(device=torch.device("meta"))
+        strategy.model = model
+        if guarded:
+            _keep_offloaded_on_host(strategy, handle)
+        strategy.model_to_device()
+        on_host = {n for n, p in model.named_parameters() if not p.is_meta}
+        if guarded:
+            assert on_host == {n for n, _ in model.named_parameters() if n.startswith(offloaded_names)}
+            assert handle.weights["transformer.h.1"].masters[0].device.type == "cpu"
+        else:
+            assert on_host == set()  # Lightning's own move takes every layer to the device
