@@ -156,12 +156,31 @@ def bare_torch_floor() -> int:
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+def warm_page_cache(path: Path) -> None:
+    """Read the checkpoint's files once, so that every method starts with them in the page cache."""
+    files = sorted(path.parent.glob("*.safetensors")) if path.suffix == ".json" else [path]
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(64 * MiB):
+                pass
+
+
 def run_fresh(method: str, model_name: str, path: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", method, "--model", model_name, "--path", str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def combine(results: list[dict]) -> dict:
+    """One row from several runs of a method: the highest peaks, the median seconds and their range."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[0]
+    row = {key: max(r[key] for r in ok) for key in ("lifetime_peak", "anon", "file", "load_delta")}
+    seconds = sorted(r["seconds"] for r in ok)
+    return row | {"seconds": seconds[len(seconds) // 2], "range": (seconds[0], seconds[-1]), "final": ok[0]["final"]}
 
 
 def print_environment(model_name: str, model_bytes: int) -> None:
@@ -177,6 +196,8 @@ def main() -> None:
     parser.add_argument("--model", default="pythia-1b", help="litgpt config name (default: pythia-1b)")
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
     parser.add_argument("--only", nargs="*", help="run only these methods")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all methods; peaks: the highest, seconds: the median (and the range)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -187,27 +208,36 @@ def main() -> None:
     t0 = time.perf_counter()
     paths = make_checkpoints(args.model, args.workdir)
     floor = bare_torch_floor()
-    rows = []
-    for case, methods in CASES:
-        for method in methods:
-            if args.only and method not in args.only:
-                continue
-            rows.append((case, method, run_fresh(method, args.model, paths[case])))
-            print(f"  ran {case} / {method}", file=sys.stderr)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for _ in range(args.repeat):  # rounds, so that a disturbance hits one run of each method, not all of one
+        for case, methods in CASES:
+            for method in methods:
+                if args.only and method not in args.only:
+                    continue
+                warm_page_cache(paths[case])
+                runs.setdefault((case, method), []).append(run_fresh(method, args.model, paths[case]))
+                print(f"  ran {case} / {method}", file=sys.stderr)
+    rows = [(case, method, combine(results)) for (case, method), results in runs.items()]
     model_bytes = next((r["final"] for _, _, r in rows if "final" in r), 0)
     print_environment(args.model, model_bytes)
     print(f"floor: bare `import torch` process peak RSS {floor / MiB:.0f} MiB")
     print()
+    print(f"page cache: warm (each checkpoint read just before each run); {args.repeat} run(s) per method")
+    print()
     print("| checkpoint | method | peak above floor / model | load peak / model | anon / file-backed (MiB) "
-          "| seconds |")
-    print("|---|---|---|---|---|---|")
+          "| seconds (median, range) | time / fastest other |")
+    print("|---|---|---|---|---|---|---|")
     for case, method, r in rows:
         if "error" in r:
-            print(f"| {case} | {method} | failed: {r['error'][:80]} | | | |")
+            print(f"| {case} | {method} | failed: {r['error'][:80]} | | | | |")
             continue
         ratio = (r["lifetime_peak"] - floor) / model_bytes
+        others = [o["seconds"] for c, m, o in rows if c == case and m != method and "error" not in o]
+        versus = f"{r['seconds'] / min(others):.2f}" if others else ""
+        low, high = r["range"]
         print(f"| {case} | {method} | {ratio:.2f} | {r['load_delta'] / model_bytes:.2f} "
-              f"| {r['anon'] / MiB:.0f} / {r['file'] / MiB:.0f} | {r['seconds']:.1f} |")
+              f"| {r['anon'] / MiB:.0f} / {r['file'] / MiB:.0f} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) "
+              f"| {versus} |")
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)")
 
 
