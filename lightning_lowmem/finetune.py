@@ -32,7 +32,7 @@ from lightning_lowmem.errors import CheckpointMismatchError, MetaTensorError, fo
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import owner_of
 from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan
 from lightning_lowmem.quantize import QuantizeSpec
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class LoadOptions:
         key_map: checkpoint-to-module renames (see :func:`~lightning_lowmem.load_checkpoint`).
         progress: progress bar; None: when stderr is a terminal.
         transform: ``transform(module_name, tensor)`` on each tensor as read (see :func:`load_checkpoint`).
+        combine: module tensors built from several checkpoint keys (see :func:`load_checkpoint`).
         max_memory: device budgets (``{"cuda:0": "6GiB", "cpu": "20GiB"}``): a placement plan decides each
             layer's device instead of the strategy's device (see :func:`~lightning_lowmem.placement_plan`).
         context: tokens of KV cache the placement plan reserves room for.
@@ -62,6 +63,7 @@ class LoadOptions:
     key_map: KeyMap | None = None
     progress: bool | None = None
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    combine: Combine | None = None
     max_memory: MaxMemory | None = None
     context: int | None = None
 
@@ -103,7 +105,7 @@ def load_for_finetuning(
     with Checkpoint.open(checkpoint) as ckpt:  # headers only
         files = ", ".join(str(p) for p in ckpt.paths[:3])
         plan = make_plan(module, ckpt.records, key_map=options.key_map, strict=False, dtype=dtype,
-                         device=device, files=files)
+                         device=device, files=files, combine=options.combine)
     added = _added_parameters(module, plan)
     _check(module, plan, added, strict, files)
     initialized = _initialize(module, added, device, dtype)
@@ -114,7 +116,7 @@ def load_for_finetuning(
                            quantize=options.quantize, max_memory=options.max_memory, context=options.context,
                            skip_quantize=list(options.skip_quantize) if options.skip_quantize is not None else None,
                            strict=strict and not plan.missing, key_map=options.key_map, progress=options.progress,
-                           transform=options.transform)
+                           transform=options.transform, combine=options.combine)
 
 
 def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]:
