@@ -78,6 +78,7 @@ class LoadPlan:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     prefix_note: str = ""
+    absent: dict[str, str] = field(default_factory=dict)  # a combined tensor's part not in the checkpoint -> the tensor
 
     @property
     def nbytes(self) -> int:
@@ -192,9 +193,10 @@ def make_plan(
             + ". The checkpoint is for a different model configuration: build the module with the config the "
             "checkpoint was saved with."
         )
+    plan = LoadPlan(targets, missing, unexpected, prefix_note, absent)
     if strict and (missing or unexpected):
-        raise CheckpointMismatchError(_mismatch_message(files, missing, unexpected, prefix_note, absent))
-    return LoadPlan(targets, missing, unexpected, prefix_note)
+        raise CheckpointMismatchError(mismatch_message(plan, files))
+    return plan
 
 
 def _match_keys(records: Mapping[str, TensorRecord], key_map: KeyMap | None,
@@ -233,15 +235,19 @@ def _combined(names: list[str], combine: Combine, records: Mapping[str, TensorRe
     return TensorRecord(name, tuple(out.shape), out.dtype, parts[0].file), parts, []
 
 
-def _mismatch_message(files: str, missing: list[str], unexpected: list[str], prefix_note: str,
-                      absent: dict[str, str]) -> str:
+def mismatch_message(plan: LoadPlan, files: str, missing: list[str] | None = None) -> str:
+    """What does not fit: ``missing`` (default: the plan's) and unexpected keys, and what to do."""
+    missing = plan.missing if missing is None else missing
+    unexpected, prefix_note = plan.unexpected, plan.prefix_note
+    absent = {key: name for key, name in plan.absent.items() if name in missing}
     parts = [f"{files} does not match the module:"]
     if missing:
         parts.append(f"{len(missing)} module tensors are missing from it ({format_names(missing)});")
     if absent:
         parts.append(f"{len(absent)} keys they are built from are not in it ("
                      + ", ".join(f"{key!r} for {name!r}" for key, name in list(absent.items())[:10])
-                     + (f" ... and {len(absent) - 10} more" if len(absent) > 10 else "") + ");")
+                     + (f" ... and {len(absent) - 10} more" if len(absent) > 10 else "")
+                     + "): the checkpoint is incomplete (fetch the missing files again) or of another model;")
     if unexpected:
         parts.append(f"{len(unexpected)} checkpoint keys have no place in the module ({format_names(unexpected)}).")
     if prefix_note:
