@@ -127,8 +127,8 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
         else:
             raise CheckpointFormatError(f"litgpt's conversion for {config.name!r} builds {name!r} from no "
                                         "checkpoint tensor; that cannot be streamed. " + _CONVERT_FIRST)
-    unused = [key for key in records if conversion.renames[key] is None
-              and not any(key in keys for keys in conversion.sources.values())]
+    parts = {key for keys in conversion.sources.values() for key in keys}
+    unused = [key for key in records if conversion.renames[key] is None and key not in parts]
     conversion.sources.update(_incomplete(conversion.sources, unused))
     return conversion
 
