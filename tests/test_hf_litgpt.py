@@ -22,7 +22,7 @@ CASES = {  # id: (family, tied embeddings, save_pretrained's max_shard_size)
 def _record_reads(monkeypatch) -> list[str]:
     reads: list[str] = []
     original = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, key: reads.append(key) or original(self, key))
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
     return reads
 
 
