@@ -24,6 +24,7 @@ from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch, enable_offload, layer_offload, sequential_offload
 from lightning_lowmem.placement import PlacementPlan, placement_plan
+from lightning_lowmem.plan import Combine
 from lightning_lowmem.strategy import LowMemStrategy  # registers Fabric(strategy="lowmem")
 
 __version__ = "0.1.0.dev0"
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "Combine",
     "GenerateResult",
     "GenerationMemory",
     "KVCacheTooShortError",

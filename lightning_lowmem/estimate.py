@@ -25,7 +25,8 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
                    the tensor as read when it is cast; for quantized weights, the cast
                    weight + what quantizing it holds (``quant_sizes``: bytes per weight,
                    calibrated on the loader) + the quantized blocks before they are
-                   joined; plus 6 MiB measured for the load itself
+                   joined; a tensor combined from parts (an HF checkpoint's q, k, v
+                   into litgpt's qkv) adds its parts; plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
                    + dequantized + runtime)
 
@@ -46,7 +47,7 @@ from torch import nn
 from lightning_lowmem.checkpoint import Checkpoint
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, placement_plan
-from lightning_lowmem.plan import KeyMap, make_plan
+from lightning_lowmem.plan import Combine, KeyMap, make_plan
 from lightning_lowmem.quantize.chunks import CHUNK_ELEMENTS
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP
 from lightning_lowmem.quant_sizes import SchemeSize, scheme_size
@@ -169,9 +170,12 @@ def estimate_memory(
                          batch_size=batch_size, max_seq_length=length, prompt_length=prompt_length or length,
                          runtime=runtime)
     skip = tuple(skip_quantize) if skip_quantize is not None else DEFAULT_SKIP
-    entries = _entries(model, records, dtype, key_map, est)
-    for name, shape, read_dtype, is_linear in entries:
-        _add_weight(est, name, shape, read_dtype, is_linear and not _skipped(name, skip), scheme)
+    combine = None
+    if model is not None and records is not None and key_map is None and _looks_hf(records):
+        key_map, combine = _hf_conversion(model, records)
+    entries = _entries(model, records, dtype, key_map, combine, est)
+    for name, shape, read_dtype, is_linear, parts in entries:
+        _add_weight(est, name, shape, read_dtype, is_linear and not _skipped(name, skip), scheme, parts)
     if model is None:
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated")
     else:
@@ -183,29 +187,37 @@ def estimate_memory(
             raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
         est.placement = placement_plan(model, records, max_memory, context=length, batch_size=batch_size,
                                        dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
-                                       key_map=key_map, strict=False)
+                                       key_map=key_map, strict=False, combine=combine)
     return est
 
 
-def _entries(model: nn.Module | None, records: dict | None, dtype: torch.dtype, key_map: KeyMap | None,
-             est: MemoryEstimate) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
-    """``(module name, shape, dtype as read, is a Linear weight)`` for every tensor to load."""
-    if records is None:
-        return [(n, tuple(p.shape), dtype, _is_linear_weight(model, n)) for n, p in model.named_parameters()]
-    if model is None:
-        return [(k, r.shape, r.dtype, _looks_linear(k, r.shape)) for k, r in records.items()]
-    if key_map is None and _looks_hf(records):
-        from lightning_lowmem.hf_litgpt import hf_to_litgpt
+def _hf_conversion(model: nn.Module, records: dict) -> tuple[KeyMap, Combine]:
+    """litgpt's conversion of an HF checkpoint, learned from its headers; ties ``model`` as the load does."""
+    from lightning_lowmem.hf_litgpt import hf_to_litgpt
 
-        key_map = hf_to_litgpt(model.config, records).key_map
-    plan = make_plan(model, records, key_map=key_map, strict=False, dtype=dtype, device=torch.device("meta"))
+    conversion = hf_to_litgpt(model.config, records)
+    conversion.tie(model)
+    return conversion.key_map, conversion.combine
+
+
+def _entries(model: nn.Module | None, records: dict | None, dtype: torch.dtype, key_map: KeyMap | None,
+             combine: Combine | None, est: MemoryEstimate) -> list[tuple[str, tuple[int, ...], torch.dtype, bool, int]]:
+    """``(module name, shape, dtype as read, is a Linear weight, bytes of the parts it is combined from)``
+    for every tensor to load."""
+    if records is None:
+        return [(n, tuple(p.shape), dtype, _is_linear_weight(model, n), 0) for n, p in model.named_parameters()]
+    if model is None:
+        return [(k, r.shape, r.dtype, _looks_linear(k, r.shape), 0) for k, r in records.items()]
+    plan = make_plan(model, records, key_map=key_map, strict=False, dtype=dtype, device=torch.device("meta"),
+                     combine=combine)
     if plan.missing:
         est.notes.append(f"{len(plan.missing)} module tensors are not in the checkpoint")
-    return [(t.names[0], t.record.shape, t.record.dtype, _is_linear_weight(model, t.names[0])) for t in plan.targets]
+    return [(t.names[0], t.record.shape, t.record.dtype, _is_linear_weight(model, t.names[0]),
+             sum(p.nbytes for p in t.parts)) for t in plan.targets]
 
 
 def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dtype: torch.dtype, quantized: bool,
-                scheme: SchemeSize | None) -> None:
+                scheme: SchemeSize | None, parts: int = 0) -> None:
     numel = 1
     for d in shape:
         numel *= d
@@ -220,10 +232,10 @@ def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dty
         est.weights += stored
         est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
         pieces = stored if scheme.chunked and numel > CHUNK_ELEMENTS else 0  # joined into the stored weight
-        transient = max(read + cast, cast + int(scheme.transient * numel) + pieces)
+        transient = max(read + cast + parts, cast + int(scheme.transient * numel) + pieces)
     else:
         est.weights += cast
-        transient = read
+        transient = read + parts  # the parts of a combined tensor are held while it is built
     est.load_transient = max(est.load_transient, transient)
 
 
@@ -276,7 +288,8 @@ def _looks_linear(key: str, shape: tuple[int, ...]) -> bool:
 
 
 def _looks_hf(records: dict) -> bool:
-    return not any(key.startswith(("transformer.", "lm_head.")) for key in records) or any(
+    """Not litgpt's names (``transformer.*``, ``lm_head.*``), or Falcon's HF names under ``transformer.``."""
+    return not all(key.startswith(("transformer.", "lm_head.")) for key in records) or any(
         "query_key_value" in key for key in records)
 
 

@@ -32,7 +32,7 @@ from lightning_lowmem.errors import CheckpointMismatchError, MetaTensorError, fo
 from lightning_lowmem.loader import LoadReport, load_checkpoint
 from lightning_lowmem.materialize import owner_of
 from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan, mismatch_message
 from lightning_lowmem.quantize import QuantizeSpec
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class LoadOptions:
         key_map: checkpoint-to-module renames (see :func:`~lightning_lowmem.load_checkpoint`).
         progress: progress bar; None: when stderr is a terminal.
         transform: ``transform(module_name, tensor)`` on each tensor as read (see :func:`load_checkpoint`).
+        combine: module tensors built from several checkpoint keys (see :func:`load_checkpoint`).
         max_memory: device budgets (``{"cuda:0": "6GiB", "cpu": "20GiB"}``): a placement plan decides each
             layer's device instead of the strategy's device (see :func:`~lightning_lowmem.placement_plan`).
         context: tokens of KV cache the placement plan reserves room for.
@@ -62,6 +63,7 @@ class LoadOptions:
     key_map: KeyMap | None = None
     progress: bool | None = None
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    combine: Combine | None = None
     max_memory: MaxMemory | None = None
     context: int | None = None
 
@@ -103,7 +105,7 @@ def load_for_finetuning(
     with Checkpoint.open(checkpoint) as ckpt:  # headers only
         files = ", ".join(str(p) for p in ckpt.paths[:3])
         plan = make_plan(module, ckpt.records, key_map=options.key_map, strict=False, dtype=dtype,
-                         device=device, files=files)
+                         device=device, files=files, combine=options.combine)
     added = _added_parameters(module, plan)
     _check(module, plan, added, strict, files)
     initialized = _initialize(module, added, device, dtype)
@@ -114,12 +116,15 @@ def load_for_finetuning(
                            quantize=options.quantize, max_memory=options.max_memory, context=options.context,
                            skip_quantize=list(options.skip_quantize) if options.skip_quantize is not None else None,
                            strict=strict and not plan.missing, key_map=options.key_map, progress=options.progress,
-                           transform=options.transform)
+                           transform=options.transform, combine=options.combine)
 
 
 def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]:
-    """Missing, meta, trainable parameters whose owner can initialize them: name -> owner."""
-    missing = set(plan.missing)
+    """Missing, meta, trainable parameters whose owner can initialize them: name -> owner.
+
+    Not those the checkpoint should build from parts it lacks (an HF checkpoint's k_proj for qkv).
+    """
+    missing = set(plan.missing) - set(plan.absent.values())
     added: dict[str, nn.Module] = {}
     for name, param in module.named_parameters():
         if name not in missing or not param.is_meta or not param.requires_grad:
@@ -134,6 +139,9 @@ def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]
 
 def _check(module: nn.Module, plan: LoadPlan, added: dict[str, nn.Module], strict: bool, files: str) -> None:
     """Fail before any read: keys that do not fit (strict), or meta tensors nothing will fill."""
+    missing = [n for n in plan.missing if n not in added]
+    if strict and (missing or plan.unexpected):
+        raise CheckpointMismatchError(mismatch_message(plan, files, missing))
     meta = {n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
     stuck = [n for n in plan.missing if n in meta and n not in added]
     if stuck:
@@ -143,18 +151,6 @@ def _check(module: nn.Module, plan: LoadPlan, added: dict[str, nn.Module], stric
             "has reset_parameters() and no weights in the checkpoint. Put it in such a module, load a checkpoint "
             "that has it, or pass key_map= if it is there under another name."
         )
-    missing = [n for n in plan.missing if n not in added]
-    if strict and (missing or plan.unexpected):
-        parts = [f"{files} does not match the module:"]
-        if missing:
-            parts.append(f"{len(missing)} module tensors are missing from it ({format_names(missing)});")
-        if plan.unexpected:
-            parts.append(f"{len(plan.unexpected)} checkpoint keys have no place in the module "
-                         f"({format_names(plan.unexpected)}).")
-        if plan.prefix_note:
-            parts.append(f"(A key prefix was guessed: {plan.prefix_note}.)")
-        parts.append("Pass key_map= to rename checkpoint keys, or strict=False to load what matches.")
-        raise CheckpointMismatchError(" ".join(parts))
 
 
 def _initialize(module: nn.Module, added: dict[str, nn.Module], device: torch.device,

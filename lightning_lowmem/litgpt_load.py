@@ -4,8 +4,10 @@ Two layouts are read:
 
 * litgpt's: ``lit_model.pth`` + ``model_config.yaml`` (+ tokenizer files);
 * HF's: ``model.safetensors`` (or a sharded ``*.index.json`` set, or
-  ``pytorch_model.bin``) renamed by litgpt's own conversion
-  (:mod:`lightning_lowmem.hf_litgpt`); the litgpt config comes from
+  ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
+  litgpt's own conversion (:mod:`lightning_lowmem.hf_litgpt`) as it streams in;
+  an output head that the checkpoint does not hold is tied to the embedding.
+  The litgpt config comes from
   ``model_config.yaml`` when present, else from the directory's name, as
   ``litgpt convert_to_litgpt`` does.
 
@@ -84,15 +86,17 @@ def load_litgpt(
     from lightning_lowmem.strategy import LowMemStrategy
 
     device = torch.device(device or "cpu")
-    options: dict[str, Any] = {}
+    conversion = None
     if checkpoint.is_hf:
-        with Checkpoint.open(checkpoint.weights) as ckpt:
+        with Checkpoint.open(checkpoint.weights) as ckpt:  # headers only
             conversion = hf_to_litgpt(checkpoint.config, ckpt.records)
-        options = {"key_map": conversion.key_map, "transform": conversion.transform}
+    options = {"key_map": conversion.key_map, "combine": conversion.combine} if conversion else {}
     strategy = LowMemStrategy(device=device, quantize=quantize, dtype=dtype, **options)
     fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=_PRECISION[dtype])
     with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
         model = build_meta_gpt(checkpoint.config)
+    if conversion is not None:
+        conversion.tie(model)  # e.g. no lm_head in the checkpoint: litgpt copies the embedding; here it is shared
     fabric.load_raw(checkpoint.weights, model)
     model = fabric.setup_module(model)
     return model.eval(), strategy.reports[-1]

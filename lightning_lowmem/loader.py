@@ -3,9 +3,11 @@
 ::
 
     meta-built module -> plan (headers only) -> for each tensor, in module order:
-        read it alone -> cast -> to device -> [quantize] -> assign -> drop the rest
+        read it alone [or read its parts and combine them] -> cast -> to device -> [quantize]
+        -> assign -> drop the rest
 
-Peak memory is the final model plus about one tensor in flight.
+Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
+and the result).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from lightning_lowmem.materialize import assign, check_no_meta, owner_of, recomp
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, apply_placement, parse_max_memory, plan_placement
-from lightning_lowmem.plan import KeyMap, LoadPlan, Target, make_plan
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, Target, make_plan
 from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
 from lightning_lowmem.readahead import ScratchBuffer, read_ahead
 
@@ -47,7 +49,7 @@ class LoadReport:
     Attributes:
         files: the checkpoint files read.
         entry: where a torch file's state dict was (``'state_dict'``, ``'model'`` or ``''``).
-        tensors: tensors read.
+        tensors: checkpoint tensors read.
         bytes_read: bytes read from the checkpoint.
         bytes_loaded: bytes of the loaded tensors in the module (after casting and quantization).
         seconds: wall time of the load.
@@ -123,6 +125,7 @@ def load_checkpoint(
     max_memory: MaxMemory | None = None,
     context: int | None = None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    combine: Combine | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -153,6 +156,10 @@ def load_checkpoint(
         transform: called as ``transform(module_name, tensor)`` on each tensor as read, before the
             cast and quantization; returns the tensor to load (same shape as the module's). The
             tensor passed in may live in a buffer reused for the next read: do not keep it.
+        combine: module tensors built from several checkpoint keys (:class:`~lightning_lowmem.plan.Combine`),
+            e.g. an HF checkpoint's q, k and v projections into litgpt's ``qkv``. The parts of one
+            tensor are read one after the other and combined at once; shapes are checked from the
+            headers first.
 
     Returns:
         A :class:`LoadReport`.
@@ -184,7 +191,7 @@ def load_checkpoint(
     with Checkpoint.open(checkpoint) as ckpt, MemoryMonitor(device=_cuda_or_none(watched)) as monitor:
         files = ", ".join(str(p) for p in ckpt.paths[:3]) + (" ..." if len(ckpt.paths) > 3 else "")
         plan = make_plan(module, ckpt.records, key_map=key_map, strict=strict, dtype=dtype,
-                         device=device, files=files)
+                         device=device, files=files, combine=combine)
         placement = None
         if max_memory is not None:  # the plan decides each target's device, before any data is read
             placement = plan_placement(module, plan, max_memory, context=context, dtype=dtype,
@@ -196,7 +203,7 @@ def load_checkpoint(
         report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected,
                             missing=plan.missing, key_note=plan.prefix_note)
         release_all_rope(module, device or torch.device("cpu"))  # litgpt's RoPE tables: sized when first used
-        _stream(module, ckpt, plan, quantizer, report, progress, transform)
+        _stream(module, ckpt, plan, quantizer, report, progress, transform, combine)
         report.recomputed = recompute_meta_buffers(module, device or torch.device("cpu"))
         _finish_buffers(module, device, dtype)
         report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
@@ -213,7 +220,8 @@ def load_checkpoint(
 
 
 def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, report: LoadReport,
-            progress: bool | None, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+            progress: bool | None, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+            combine: Combine | None = None) -> None:
     show = progress if progress is not None else sys.stderr.isatty()
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not show, leave=False)
@@ -224,23 +232,25 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     copied_keys = {t.record.key for t in plan.targets if _copied_after_read(t, quantizer) and t.record.nbytes <= size}
 
     def read(t: Target) -> torch.Tensor:
+        if t.parts:
+            return _read_combined(ckpt, t, combine)
         if scratch is not None and t.record.key in copied_keys:
             return ckpt.read(t.record.key, out=scratch.view(t.record.shape, t.record.dtype))
         return ckpt.read(t.record.key)
 
     try:
         with torch.no_grad():
-            for target, tensor in read_ahead(plan.targets, read, lambda t: t.record.nbytes, window):
-                if transform is not None:  # e.g. litgpt's qkv reassembly of an HF checkpoint
+            for target, tensor in read_ahead(plan.targets, read, lambda t: t.read_nbytes, window):
+                if transform is not None:
                     tensor = transform(target.names[0], tensor)
                 tensor = tensor.to(dtype=target.dtype).to(device=target.device)
                 if quantizer is None or not quantizer.load(module, target.names[0], tensor):
                     assign(module, target.names, tensor, target.is_parameter)
-                report.tensors += 1
-                report.bytes_read += target.record.nbytes
+                report.tensors += len(target.parts) or 1
+                report.bytes_read += target.read_nbytes
                 loaded.append(target.names)
                 del tensor
-                bar.update(target.record.nbytes)
+                bar.update(target.read_nbytes)
     except BaseException:
         _back_to_meta(module, loaded)  # never hand back a half-loaded model that looks loaded
         raise
@@ -248,17 +258,25 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         bar.close()
 
 
+def _read_combined(ckpt: Checkpoint, target: Target, combine: Combine) -> torch.Tensor:
+    """The target's parts read one after the other (fresh memory each) and combined; the parts are then dropped."""
+    tensor = combine.fn(target.record.key, {p.key: ckpt.read(p.key) for p in target.parts})
+    if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a part would keep the whole part alive
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 def _window(plan: LoadPlan, quantizer: object, transform: object) -> int:
     """Bytes to read ahead: none when what is read is a transient copy, else READ_AHEAD_FINAL."""
     transient = quantizer is not None or transform is not None or any(
-        t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
+        t.parts or t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
     return 0 if transient else READ_AHEAD_FINAL
 
 
 def _copied_after_read(target: Target, quantizer) -> bool:
     """Whether what is read for ``target`` is copied before the next read (so it may be read into scratch)."""
-    return (target.dtype != target.record.dtype or target.device.type != "cpu"
-            or (quantizer is not None and quantizer.owns(target.names[0])))
+    return not target.parts and (target.dtype != target.record.dtype or target.device.type != "cpu"
+                                 or (quantizer is not None and quantizer.owns(target.names[0])))
 
 
 def _scratch_size(plan: LoadPlan, quantizer) -> int:
@@ -272,7 +290,7 @@ def _scratch_size(plan: LoadPlan, quantizer) -> int:
     for target in plan.targets:
         if done >= total / 2 and _copied_after_read(target, quantizer):
             size = max(size, target.record.nbytes)
-        done += target.record.nbytes
+        done += target.read_nbytes
     return size
 
 

@@ -37,7 +37,7 @@ from lightning_lowmem.layers import (
     group_layers,
 )
 from lightning_lowmem.memory import format_bytes, parse_bytes
-from lightning_lowmem.plan import KeyMap, LoadPlan, make_plan
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan
 from lightning_lowmem.records import TensorRecord
 
 MaxMemory = Mapping[str | int, int | str]
@@ -308,6 +308,7 @@ def placement_plan(
     strict: bool = True,
     kv_cache_bytes: int | None = None,
     activation_bytes: int | None = None,
+    combine: Combine | None = None,
 ) -> PlacementPlan:
     """Where each layer of ``module`` would go under ``max_memory``, without reading any weights.
 
@@ -323,7 +324,7 @@ def placement_plan(
         dtype: the dtype floating tensors are loaded in (default: each tensor's own).
         quantize: a scheme name; quantized Linear weights are counted at its size.
         skip_quantize: module-name globs kept in full precision (default: ``lm_head``).
-        key_map, strict: as in :func:`lightning_lowmem.load_checkpoint`.
+        key_map, strict, combine: as in :func:`lightning_lowmem.load_checkpoint`.
         kv_cache_bytes, activation_bytes: override the estimates for models that are not litgpt-style.
 
     Raises:
@@ -346,7 +347,7 @@ def placement_plan(
 
         with Checkpoint.open(checkpoint) as ckpt:
             records = dict(ckpt.records)
-    plan = make_plan(module, records, key_map=key_map, strict=strict, dtype=dtype)
+    plan = make_plan(module, records, key_map=key_map, strict=strict, dtype=dtype, combine=combine)
     return plan_placement(module, plan, max_memory, context=context, batch_size=batch_size, dtype=dtype,
                           quantize=quantize, skip_quantize=skip_quantize, kv_cache_bytes=kv_cache_bytes,
                           activation_bytes=activation_bytes)

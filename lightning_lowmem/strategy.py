@@ -44,7 +44,7 @@ from lightning_lowmem.lightning_state import (
 from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.plan import KeyMap
+from lightning_lowmem.plan import Combine, KeyMap
 
 
 class LowMemStrategy(SingleDeviceStrategy):
@@ -72,7 +72,9 @@ class LowMemStrategy(SingleDeviceStrategy):
         strict: None: the ``strict`` argument of each ``load``/``load_raw`` call decides; a bool overrides it.
         key_map: checkpoint-to-module key renames (dict of prefixes or a callable).
         progress: show a progress bar; default: when stderr is a terminal.
-        transform: ``transform(module_name, tensor)`` on each tensor as read (an HF checkpoint's qkv reordering).
+        transform: ``transform(module_name, tensor)`` on each tensor as read.
+        combine: module tensors built from several checkpoint keys (an HF checkpoint's q, k and v into
+            litgpt's qkv; see :class:`~lightning_lowmem.plan.Combine`).
         max_memory: device budgets such as ``{"cuda:0": "6GiB", "cpu": "20GiB"}``; layers that do not fit
             stay on the CPU and are streamed in for their forward (see :func:`~lightning_lowmem.placement_plan`).
         context: tokens of KV cache the placement plan reserves room for.
@@ -104,13 +106,14 @@ class LowMemStrategy(SingleDeviceStrategy):
         key_map: KeyMap | None = None,
         progress: bool | None = None,
         transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        combine: Combine | None = None,
         max_memory: MaxMemory | None = None,
         context: int | None = None,
     ) -> None:
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
         self.options = LoadOptions(quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict,
-                                   key_map=key_map, progress=progress, transform=transform,
+                                   key_map=key_map, progress=progress, transform=transform, combine=combine,
                                    max_memory=max_memory, context=context)
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()

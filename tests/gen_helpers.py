@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +67,68 @@ def write_litgpt_dir(directory: Path, config, dtype: torch.dtype = torch.float32
     if tokenizer:
         write_tokenizer(directory, config.padded_vocab_size)
     return directory
+
+
+# Tiny transformers models of litgpt families whose conversion fuses q, k and v: (transformers class, kwargs, litgpt
+# config kwargs). GQA (2 key-value heads for 4 query heads) unless said otherwise.
+HF_FUSED = {
+    "llama": ("LlamaForCausalLM", dict(num_key_value_heads=4), dict(name="llama-tiny", n_query_groups=4)),
+    "llama-gqa": ("LlamaForCausalLM", dict(num_key_value_heads=2), dict(name="llama-gqa")),
+    "qwen2.5": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1e6),  # q, k, v biases
+                dict(name="Qwen2.5-tiny", attn_bias=True, rope_base=1_000_000)),
+}
+
+
+def write_hf_dir(directory: Path, family: str, *, hidden: int = 32, tie: bool = False,
+                 max_shard_size: str | None = None, tokenizer: bool = True):
+    """An HF checkpoint of ``family`` (``HF_FUSED``) as ``save_pretrained`` writes it, ``model_config.yaml`` beside
+    it; returns the transformers model and the litgpt config."""
+    import transformers
+    from litgpt.utils import save_config
+
+    cls, hf_kwargs, lit_kwargs = HF_FUSED[family]
+    hf_config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie, **hf_kwargs)
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls)(hf_config).eval()
+    with torch.no_grad():  # larger weights than the default init, so greedy tokens vary
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    config = tiny_config("gqa", n_embd=hidden, intermediate_size=2 * hidden, vocab_size=128, padded_vocab_size=128,
+                         norm_eps=1e-5, **lit_kwargs)
+    save_config(config, directory)
+    if tokenizer:
+        write_tokenizer(directory, 128)
+    return hf, config
+
+
+def litgpt_converted(directory: Path, config, destination: Path) -> Path:
+    """A copy of HF ``directory`` converted by litgpt's own ``convert_hf_checkpoint`` (``lit_model.pth``)."""
+    import shutil
+
+    import litgpt.scripts.convert_hf_checkpoint as convert
+
+    shutil.copytree(directory, destination)
+    original = convert.Config.from_name
+    convert.Config.from_name = lambda name, **kwargs: config  # the tiny config is no litgpt model name
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            convert.convert_hf_checkpoint(checkpoint_dir=destination, model_name=config.name)
+    finally:
+        convert.Config.from_name = original
+    return destination
+
+
+def litgpt_cli_tokens(directory: Path, prompt: str, precision: str, max_new_tokens: int) -> list[int]:
+    """litgpt's own CLI (``litgpt generate``), run in-process; the ids parsed back from its ``t<i>`` text."""
+    from litgpt.generate.base import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        main(directory, prompt=prompt, max_new_tokens=max_new_tokens, top_k=1, precision=precision)
+    return [int(t) for t in re.findall(r"\bt(\d+)\b", out.getvalue().strip().splitlines()[-1])]
 
 
 def kv_formula(config, batch: int, length: int, itemsize: int) -> int:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_helpers import kv_formula, measure_in_fresh_process, peak_model, tiny_config, tiny_gpt, write_litgpt_dir
+from gen_helpers import (
+    kv_formula,
+    measure_in_fresh_process,
+    peak_model,
+    tiny_config,
+    tiny_gpt,
+    write_hf_dir,
+    write_litgpt_dir,
+)
 
 from lightning_lowmem import (
     UnsupportedQuantizationError,
@@ -129,6 +137,19 @@ def test_hf_headers_through_litgpts_key_conversion(tmp_path):
     from_hf = estimate_memory(tmp_path / "neox", config=config, quantize="bnb.nf4", max_seq_length=20)
     assert from_hf.params == estimate_memory(config, max_seq_length=20).params
     assert from_hf.weights == estimate_memory(config, quantize="bnb.nf4", max_seq_length=20).weights
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
+def test_hf_fused_qkv_headers_equal_what_the_load_holds(tmp_path, tie):
+    """q, k and v fused into qkv (sizes from the headers); a head the checkpoint lacks is the embedding, held once."""
+    from lightning_lowmem.generate import load_for_generation
+
+    _, config = write_hf_dir(tmp_path / "llama", "llama-gqa", hidden=64, tie=tie, tokenizer=False)
+    _, _, report = load_for_generation(tmp_path / "llama", quantize="bnb.nf4", precision="bf16-true")
+    est = estimate_memory(tmp_path / "llama", quantize="bnb.nf4", max_seq_length=20)
+    assert est.quantized_weights == report.quantized_bytes_after and est.weights == report.bytes_loaded
+    untied = estimate_memory(config, quantize="bnb.nf4", max_seq_length=20)
+    assert est.params == untied.params - (config.padded_vocab_size * config.n_embd if tie else 0)
 
 
 def test_without_a_config_weights_only_and_a_note(tmp_path):

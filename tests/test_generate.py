@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from gen_helpers import kv_formula, measure_in_fresh_process, peak_model, tiny_config, write_litgpt_dir
+from gen_helpers import (
+    kv_formula,
+    litgpt_cli_tokens,
+    litgpt_converted,
+    measure_in_fresh_process,
+    peak_model,
+    tiny_config,
+    write_hf_dir,
+    write_litgpt_dir,
+)
 
-from lightning_lowmem import CheckpointFormatError, generate, patch_litgpt, unpatch_litgpt
+from lightning_lowmem import generate, patch_litgpt, unpatch_litgpt
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t17 t3 t99 t42 t8"
 
 
 def _litgpt_cli_tokens(directory: Path, precision: str, max_new_tokens: int) -> list[int]:
-    """litgpt's own CLI (``litgpt generate``), run in-process; the ids parsed back from its ``t<i>`` text."""
-    from litgpt.generate.base import main
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        main(directory, prompt=PROMPT, max_new_tokens=max_new_tokens, top_k=1, precision=precision)
-    return [int(t) for t in re.findall(r"\bt(\d+)\b", out.getvalue().strip().splitlines()[-1])]
+    return litgpt_cli_tokens(directory, PROMPT, precision, max_new_tokens)
 
 
 @pytest.mark.parametrize("kind", ["pythia", "gqa", "sliding"])
@@ -110,16 +111,12 @@ def test_hf_safetensors_directory_through_litgpts_key_conversion(tmp_path):
     assert result.tokens[0].tolist() == expected[0].tolist()
 
 
-def test_hf_family_with_split_qkv_says_to_convert_first(tmp_path):
-    from litgpt.utils import save_config
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def test_hf_family_with_split_qkv_generates_like_litgpt_on_its_converted_checkpoint(tmp_path):
+    """Llama-family HF directories stream in (q, k, v fused as read); see test_hf_litgpt.py for the details."""
     directory = tmp_path / "llama"
-    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=64)).save_pretrained(directory)
-    save_config(tiny_config("gqa"), directory)
-    with pytest.raises(CheckpointFormatError, match="convert_to_litgpt"):
-        generate(directory, "1 2 3", max_new_tokens=2)
+    _, config = write_hf_dir(directory, "llama-gqa", tie=True)
+    expected = litgpt_cli_tokens(litgpt_converted(directory, config, tmp_path / "converted"), PROMPT, "32-true", 10)
+    assert generate(directory, PROMPT, max_new_tokens=10, top_k=1, precision="32-true").tokens[0].tolist() == expected
 
 
 def test_script_entry_point_and_patched_api_peak_together(tmp_path_factory):

@@ -8,8 +8,10 @@ from conftest import FORMATS, tiny_litgpt_config, write_checkpoint
 from torch import nn
 
 from lightning_lowmem import (
+    Checkpoint,
     CheckpointFormatError,
     CheckpointMismatchError,
+    Combine,
     MetaTensorError,
     init_empty,
     load_checkpoint,
@@ -171,6 +173,57 @@ def test_key_map_dict_callable_and_guessed_prefix(tmp_path, litgpt_model):
     wrapper.model = _meta_gpt(litgpt_model.config)
     report = load_checkpoint(wrapper, bare)
     assert "added 'model.'" in report.key_note
+
+
+def _split_qkv(tmp_path, drop: str | None = None):
+    """A q/k/v split checkpoint (GQA widths 16, 8, 8) of a module that holds one fused ``qkv`` Linear."""
+    torch.manual_seed(0)
+    parts = {f"{layer}.{p}.weight": torch.randn(width, 16) for layer in "ab" for p, width in zip("qkv", (16, 8, 8))}
+    parts["a.proj.weight"] = torch.randn(16, 16)
+    if drop:
+        del parts[drop]
+    path = write_checkpoint(parts, "safetensors", tmp_path)
+    with init_empty():
+        module = nn.ModuleDict({"a": nn.ModuleDict({"qkv": nn.Linear(16, 32, bias=False),
+                                                    "proj": nn.Linear(16, 16, bias=False)}),
+                                "b": nn.ModuleDict({"qkv": nn.Linear(16, 32, bias=False)})})
+    sources = {f"{layer}.qkv.weight": tuple(f"{layer}.{p}.weight" for p in "qkv") for layer in "ab"}
+    combine = Combine(sources, lambda name, got: torch.cat([got[key] for key in sources[name]]))
+    return parts, path, module, combine
+
+
+def test_combine_builds_one_tensor_from_several_keys(tmp_path, monkeypatch):
+    parts, path, module, combine = _split_qkv(tmp_path)
+    reads = []
+    original = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
+    report = load_checkpoint(module, path, dtype=torch.bfloat16, combine=combine)
+
+    for layer in "ab":
+        fused = torch.cat([parts[f"{layer}.{p}.weight"] for p in "qkv"]).to(torch.bfloat16)
+        assert torch.equal(module[layer].qkv.weight, fused)
+        assert module[layer].qkv.weight.untyped_storage().nbytes() == fused.nbytes
+    assert reads == ["a.q.weight", "a.k.weight", "a.v.weight", "a.proj.weight",  # module order, parts together
+                     "b.q.weight", "b.k.weight", "b.v.weight"]
+    assert report.tensors == 7 and report.bytes_read == sum(t.nbytes for t in parts.values())
+    assert report.skipped == [] and report.missing == []
+
+
+def test_combine_missing_part_and_bad_shape_fail_before_reading(tmp_path, monkeypatch):
+    reads = []
+    original = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
+    _, path, module, combine = _split_qkv(tmp_path / "missing", drop="b.k.weight")
+    with pytest.raises(CheckpointMismatchError, match=r"'b\.k\.weight' for 'b\.qkv\.weight'") as err:
+        load_checkpoint(module, path, combine=combine)
+    assert "b.q.weight" not in str(err.value)  # the parts that are there are not "unexpected"
+
+    _, path, module, combine = _split_qkv(tmp_path / "wide")
+    with init_empty():
+        module["b"]["qkv"] = nn.Linear(16, 48, bias=False)
+    with pytest.raises(CheckpointMismatchError, match=r"'b\.qkv\.weight' built from 'b\.q\.weight'.*\[32, 16\]"):
+        load_checkpoint(module, path, combine=combine)
+    assert reads == []
 
 
 def test_real_module_keeps_parameter_objects_and_dtype(tmp_path, litgpt_model):

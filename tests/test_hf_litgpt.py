@@ -1,0 +1,105 @@
+"""HF checkpoints into litgpt's GPT: exactly what litgpt's own converter writes, streamed (q, k, v fused as read)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gen_helpers import litgpt_converted, tiny_config, write_hf_dir
+from safetensors.torch import load_file, save_file
+
+from lightning_lowmem import Checkpoint, CheckpointFormatError, CheckpointMismatchError, generate
+from lightning_lowmem.generate import load_for_generation
+from lightning_lowmem.quantize import schemes_available_on
+
+IDS = torch.tensor([[5, 17, 3, 99, 42, 8]])
+CASES = {  # id: (family, tied embeddings, save_pretrained's max_shard_size)
+    "llama": ("llama", False, None),
+    "llama-gqa-tied-sharded": ("llama-gqa", True, "20KB"),
+    "qwen2.5-qkv-bias": ("qwen2.5", False, None),
+}
+
+
+def _record_reads(monkeypatch) -> list[str]:
+    reads: list[str] = []
+    original = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
+    return reads
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_streamed_equals_litgpts_conversion(tmp_path, monkeypatch, case):
+    from litgpt import GPT
+    from litgpt.generate.base import generate as litgpt_generate
+
+    family, tie, shards = CASES[case]
+    directory = tmp_path / "hf"
+    hf, config = write_hf_dir(directory, family, tie=tie, max_shard_size=shards, tokenizer=False)
+    assert not shards or len(list(directory.glob("*.safetensors"))) >= 4
+    converted = litgpt_converted(directory, config, tmp_path / "converted")
+    reads = _record_reads(monkeypatch)
+    model, _, report = load_for_generation(directory, precision="32-true")
+
+    reference = torch.load(converted / "lit_model.pth")
+    ours = model.state_dict()
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor), name
+    assert report.skipped == [] and report.missing == []
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tie  # no lm_head in the file: held once
+    for layer in range(2):  # the parts of each fused tensor are read one after the other
+        for kind in ("weight", "bias") if config.attn_bias else ("weight",):
+            at = sorted(reads.index(f"model.layers.{layer}.self_attn.{p}_proj.{kind}") for p in "qkv")
+            assert at == list(range(at[0], at[0] + 3)), reads
+
+    litgpt_model = GPT(config).eval()
+    litgpt_model.load_state_dict(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS), litgpt_model(IDS), rtol=0, atol=0)
+        torch.testing.assert_close(model(IDS), hf(IDS).logits, rtol=1e-4, atol=1e-4)
+    litgpt_model.max_seq_length = 16  # litgpt's generate on its converted weights, greedy, from token ids
+    litgpt_model.set_kv_cache(batch_size=1)
+    expected = litgpt_generate(litgpt_model, IDS[0], 16, top_k=1).tolist()
+    assert generate(directory, IDS[0], max_new_tokens=10, top_k=1, precision="32-true").tokens[0].tolist() == expected
+
+
+def test_missing_part_is_named_before_any_read(tmp_path, monkeypatch):
+    directory = tmp_path / "hf"
+    write_hf_dir(directory, "llama-gqa", tokenizer=False)
+    weights = load_file(directory / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    reads = _record_reads(monkeypatch)
+    named = r"'model\.layers\.1\.self_attn\.k_proj\.weight' for 'transformer\.h\.1\.attn\.qkv\.weight'"
+    with pytest.raises(CheckpointMismatchError, match=named):
+        generate(directory, "1 2 3", max_new_tokens=2)
+    assert reads == []
+
+
+@pytest.mark.skipif("bnb.nf4" not in schemes_available_on(torch.device("cpu")), reason="no bnb.nf4 on CPU here")
+def test_nf4_quantizes_the_fused_qkv_as_litgpts_checkpoint(tmp_path):
+    directory = tmp_path / "hf"
+    _, config = write_hf_dir(directory, "llama-gqa", hidden=64, tokenizer=False)
+    converted = litgpt_converted(directory, config, tmp_path / "converted")
+    model, _, report = load_for_generation(directory, quantize="bnb.nf4", precision="bf16-true")
+    reference, _, expected = load_for_generation(converted, quantize="bnb.nf4", precision="bf16-true")
+    assert "transformer.h.1.attn.qkv" in report.quantized and report.quantized == expected.quantized
+    assert report.quantized_bytes_after == expected.quantized_bytes_after
+    with torch.no_grad():
+        logits = model(IDS)
+        torch.testing.assert_close(logits, reference(IDS), rtol=0, atol=0)
+    assert logits.isfinite().all()
+
+
+def test_a_checkpoint_litgpts_conversion_refuses_fails_before_reading(tmp_path, monkeypatch):
+    """litgpt converts Falcon 7b, 40b and 180B only; other sizes fail with what to do, before any read."""
+    from litgpt.utils import save_config
+    from transformers import FalconConfig, FalconForCausalLM
+
+    directory = tmp_path / "falcon-tiny"
+    FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+                      ).save_pretrained(directory)
+    save_config(tiny_config("pythia", name="falcon-tiny", vocab_size=128), directory)
+    reads = _record_reads(monkeypatch)
+    with pytest.raises(CheckpointFormatError, match=r"'falcon-tiny'.*NotImplementedError.*convert_to_litgpt"):
+        generate(directory, "1 2 3", max_new_tokens=2)
+    assert reads == []
