@@ -54,6 +54,8 @@ class LoadOptions:
         max_memory: device budgets (``{"cuda:0": "6GiB", "cpu": "20GiB"}``): a placement plan decides each
             layer's device instead of the strategy's device (see :func:`~lightning_lowmem.placement_plan`).
         context: tokens of KV cache the placement plan reserves room for.
+        init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters, new heads); False
+            for inference, where a tensor the checkpoint lacks is an error, not a random initialization.
     """
 
     quantize: str | None = None
@@ -66,6 +68,7 @@ class LoadOptions:
     combine: Combine | None = None
     max_memory: MaxMemory | None = None
     context: int | None = None
+    init_added: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
@@ -106,7 +109,7 @@ def load_for_finetuning(
         files = ", ".join(str(p) for p in ckpt.paths[:3])
         plan = make_plan(module, ckpt.records, key_map=options.key_map, strict=False, dtype=dtype,
                          device=device, files=files, combine=options.combine)
-    added = _added_parameters(module, plan)
+    added = _added_parameters(module, plan) if options.init_added else {}
     _check(module, plan, added, strict, files)
     initialized = _initialize(module, added, device, dtype)
     if initialized:

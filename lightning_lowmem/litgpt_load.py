@@ -91,7 +91,8 @@ def load_litgpt(
         with Checkpoint.open(checkpoint.weights) as ckpt:  # headers only
             conversion = hf_to_litgpt(checkpoint.config, ckpt.records)
     options = {"key_map": conversion.key_map, "combine": conversion.combine} if conversion else {}
-    strategy = LowMemStrategy(device=device, quantize=quantize, dtype=dtype, **options)
+    # inference: a tensor the checkpoint lacks is an error, never a randomly initialized "adapter"
+    strategy = LowMemStrategy(device=device, quantize=quantize, dtype=dtype, init_added=False, **options)
     fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=_PRECISION[dtype])
     with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
         model = build_meta_gpt(checkpoint.config)

@@ -78,6 +78,8 @@ class LowMemStrategy(SingleDeviceStrategy):
         max_memory: device budgets such as ``{"cuda:0": "6GiB", "cpu": "20GiB"}``; layers that do not fit
             stay on the CPU and are streamed in for their forward (see :func:`~lightning_lowmem.placement_plan`).
         context: tokens of KV cache the placement plan reserves room for.
+        init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters); False for
+            inference, where anything the checkpoint lacks is an error.
 
     Example::
 
@@ -109,12 +111,13 @@ class LowMemStrategy(SingleDeviceStrategy):
         combine: Combine | None = None,
         max_memory: MaxMemory | None = None,
         context: int | None = None,
+        init_added: bool = True,
     ) -> None:
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
         self.options = LoadOptions(quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict,
                                    key_map=key_map, progress=progress, transform=transform, combine=combine,
-                                   max_memory=max_memory, context=context)
+                                   max_memory=max_memory, context=context, init_added=init_added)
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self.reports: list[LoadReport] = []

@@ -18,7 +18,7 @@ from gen_helpers import (
     write_litgpt_dir,
 )
 
-from lightning_lowmem import generate, patch_litgpt, unpatch_litgpt
+from lightning_lowmem import CheckpointMismatchError, generate, patch_litgpt, unpatch_litgpt
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t17 t3 t99 t42 t8"
@@ -68,6 +68,16 @@ def test_token_ids_without_a_tokenizer(tmp_path):
                        result.tokens[0])
     with pytest.raises(ValueError, match="token ids like '1 2 3'"):
         generate(directory, "hello world", max_new_tokens=4)
+
+
+def test_a_checkpoint_missing_a_layer_is_an_error_not_a_random_layer(tmp_path):
+    """The Fabric strategy initializes trainable parameters a checkpoint lacks (LoRA); generation must not."""
+    directory = write_litgpt_dir(tmp_path / "cut", tiny_config("pythia"), tokenizer=False)
+    state = torch.load(directory / "lit_model.pth")
+    del state["transformer.h.1.attn.proj.weight"], state["transformer.h.1.attn.proj.bias"]
+    torch.save(state, directory / "lit_model.pth")
+    with pytest.raises(CheckpointMismatchError, match=r"transformer\.h\.1\.attn\.proj\.weight"):
+        generate(directory, [1, 2, 3], max_new_tokens=2)
 
 
 def test_request_past_the_block_size(tmp_path):
