@@ -201,12 +201,17 @@ def make_plan(
 
 def _match_keys(records: Mapping[str, TensorRecord], key_map: KeyMap | None,
                 by_name: dict[str, int]) -> tuple[dict[int, TensorRecord], list[str]]:
-    """Module tensor (by group id) -> the record that fills it, and the keys that fill none."""
+    """Module tensor (by group id) -> the record that fills it, and the keys that fill none.
+
+    A key the key map sends to None is dropped on purpose: it is neither loaded nor unexpected.
+    """
     source: dict[int, TensorRecord] = {}
     unexpected: list[str] = []
     for key, rec in records.items():
         name = apply_key_map(key, key_map)
-        gid = by_name.get(name) if name is not None else None
+        if name is None:
+            continue
+        gid = by_name.get(name)
         if gid is None:
             unexpected.append(key)
         elif gid not in source:  # tied names saved twice: load once
