@@ -184,10 +184,8 @@ def load_checkpoint(
     device = torch.device(device) if device is not None else None
     check_device_available(device)  # before any I/O, and before the monitor touches torch.cuda
     spec = QuantizeSpec.parse(quantize, skip_quantize)  # bad names fail before any I/O
-    watched = device
-    if max_memory is not None:  # the plan itself may name devices this machine lacks: it is arithmetic
-        execution = torch.device(parse_max_memory(max_memory)[1])
-        watched = execution if execution.type != "cuda" or torch.cuda.is_available() else None
+    # with max_memory, the plan may name devices this machine lacks (it is arithmetic): _cuda_or_none drops them
+    watched = torch.device(parse_max_memory(max_memory)[1]) if max_memory is not None else device
     with Checkpoint.open(checkpoint) as ckpt, MemoryMonitor(device=_cuda_or_none(watched)) as monitor:
         files = ", ".join(str(p) for p in ckpt.paths[:3]) + (" ..." if len(ckpt.paths) > 3 else "")
         plan = make_plan(module, ckpt.records, key_map=key_map, strict=strict, dtype=dtype,
@@ -229,12 +227,11 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     window = _window(plan, quantizer, transform)
     size = _scratch_size(plan, quantizer) if window == 0 else 0
     scratch = ScratchBuffer(size) if size else None
-    copied_keys = {t.record.key for t in plan.targets if _copied_after_read(t, quantizer) and t.record.nbytes <= size}
 
     def read(t: Target) -> torch.Tensor:
         if t.parts:
             return _read_combined(ckpt, t, combine)
-        if scratch is not None and t.record.key in copied_keys:
+        if scratch is not None and t.record.nbytes <= size and _copied_after_read(t, quantizer):
             return ckpt.read(t.record.key, out=scratch.view(t.record.shape, t.record.dtype))
         return ckpt.read(t.record.key)
 
@@ -288,7 +285,7 @@ def _scratch_size(plan: LoadPlan, quantizer) -> int:
     """
     total, done, size = plan.nbytes, 0, 0
     for target in plan.targets:
-        if done >= total / 2 and not target.parts and _copied_after_read(target, quantizer):
+        if done >= total / 2 and _copied_after_read(target, quantizer):
             size = max(size, target.record.nbytes)
         done += target.read_nbytes
     return size

@@ -73,7 +73,7 @@ class SafetensorsFile:
         try:
             read_exactly(self._fd, out, self._offsets[key], self.path)
         except CheckpointFormatError as e:
-            raise CheckpointFormatError(f"{self.path}: could not read tensor {key!r}: {e}") from e
+            raise CheckpointFormatError(f"Tensor {key!r}: {e}") from e  # e names the file and the offset
         except OSError as e:
             raise CheckpointFormatError(
                 f"{self.path}: could not read tensor {key!r} ({type(e).__name__}: {e}). "
