@@ -2,8 +2,7 @@
 
 Model: a litgpt GPT of 160 M parameters (304 MiB in bf16; 10 layers of 12.6 M, the
 largest Linear 4 Mi elements, 8 MiB in bf16). bitsandbytes weights are quantized in
-blocks of rows; the child process scales the block down to 1 Mi elements so that the
-largest Linear takes 4 blocks, as pythia-1b's do with the default 4 Mi.
+blocks of rows (512 Ki elements: the largest Linear takes 8 blocks).
 
 Measured on the 2-core development machine, the load's peak RSS above its start minus
 the final quantized bytes was 40-60 MiB (bnb.nf4, bnb.int8, torchao.int8wo, int8dq)
@@ -37,9 +36,7 @@ MARGIN = 96 * 2**20
 CHILD = """
 import json, sys, torch, litgpt
 import bitsandbytes, torchao.quantization  # imported before the measurement: their import is not the load's
-import lightning_lowmem.quantize.chunks as chunks
 from lightning_lowmem import init_empty, load_checkpoint
-chunks.CHUNK_ELEMENTS = 1 << 20  # the largest Linear in 4 blocks, as pythia-1b's with the default
 with init_empty():
     model = litgpt.GPT(litgpt.Config(**json.loads(sys.argv[1])))
 report = load_checkpoint(model, sys.argv[2], dtype=torch.bfloat16, quantize=sys.argv[3])

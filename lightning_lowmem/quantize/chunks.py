@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 22
-"""Elements per block of rows (8 MiB of bf16). Measured on pythia-1b (2 busy cores), the load peaked above the
-final model by 254 / 181 / 128 MiB (nf4) with whole weights / 4 Mi / 1 Mi blocks, and took 38 / 43 / 93 s:
-below 4 Mi elements each op's thread-pool round trip starts to dominate."""
+CHUNK_ELEMENTS = 1 << 19
+"""Elements per block of rows (1 MiB of bf16). Loading pythia-1b (bf16 safetensors, 2 cores, two runs each), the
+peak above the final model's RSS and the load's seconds were, for blocks of 4 Mi / 1 Mi / 512 Ki / 256 Ki elements:
+bnb.nf4 +150 / +55 / +58 / +40 MiB in 17-18 / 14-16 / 14-15 / 14-15 s; bnb.int8 +130 / +62 / +44 / +40 MiB in
+7-8 / 4.1-4.7 / 3.5-3.8 / 4.2-4.9 s. Small blocks reuse the same few MiB of heap for their temporaries, where
+blocks of 16 MiB and more of float32 get fresh pages each time (a page fault per 4 KiB)."""
 
 
 def rows_per_chunk(shape: Sequence[int], align: int = 1, chunk_elements: int | None = None) -> int:
@@ -28,7 +30,7 @@ def rows_per_chunk(shape: Sequence[int], align: int = 1, chunk_elements: int | N
     Example::
 
         >>> rows_per_chunk((8192, 2048), align=64)
-        1024
+        256
         >>> rows_per_chunk((10, 100), align=64, chunk_elements=1000)  # 16 rows = 1600 elements = 25 blocks
         16
     """
