@@ -183,6 +183,14 @@ class Checkpoint:
         """
         return self._owner[key].read(key, out)
 
+    def reads_rows(self, key: str) -> bool:
+        """Whether blocks of rows of ``key`` can be read on their own (:meth:`read_rows`)."""
+        return self._owner[key].reads_rows(key)
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of tensor ``key``, read without the rest of it."""
+        return self._owner[key].read_rows(key, start, stop, out)
+
     def __iter__(self) -> Iterator[TensorRecord]:
         return iter(self.records.values())
 

@@ -22,11 +22,13 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
     library        importing the quantization library and its first kernel call
                    (:mod:`lightning_lowmem.quant_sizes`)
     load transient the largest extra bytes one tensor holds while it is streamed in:
-                   the tensor as read when it is cast; for quantized weights, the cast
-                   weight + what quantizing it holds (``quant_sizes``: bytes per weight,
-                   calibrated on the loader) + the quantized blocks before they are
-                   joined; a tensor combined from parts (an HF checkpoint's q, k, v
-                   into litgpt's qkv) adds its parts; plus 6 MiB measured for the load itself
+                   the tensor as read when it is cast; for bitsandbytes weights (read,
+                   cast and quantized a block of rows at a time) one block as read, cast
+                   and quantized (``quant_sizes``: bytes per element, measured) + the
+                   freed heap a trim leaves (at most ``TRIM_AT``); for torchao weights,
+                   the cast weight + what quantizing it holds; a tensor combined from
+                   parts (an HF checkpoint's q, k, v into litgpt's qkv) adds itself and
+                   its parts; plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
                    + dequantized + runtime)
 
@@ -49,6 +51,7 @@ from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, placement_plan
 from lightning_lowmem.plan import Combine, KeyMap, make_plan
 from lightning_lowmem.quantize.chunks import CHUNK_ELEMENTS
+from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP
 from lightning_lowmem.quant_sizes import SchemeSize, scheme_size
 
@@ -231,8 +234,12 @@ def _add_weight(est: MemoryEstimate, name: str, shape: tuple[int, ...], read_dty
         est.quantized_weights += stored
         est.weights += stored
         est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
-        pieces = stored if scheme.chunked and numel > CHUNK_ELEMENTS else 0  # joined into the stored weight
-        transient = max(read + cast + parts, cast + int(scheme.transient * numel) + pieces)
+        if scheme.chunked:  # blocks of rows, each read, cast and quantized on its own (_row_source)
+            block = min(numel, CHUNK_ELEMENTS)
+            whole = read + cast + parts if parts else 0  # a tensor combined from parts is built whole first
+            transient = whole + int(block * (read_dtype.itemsize + target.itemsize + scheme.transient)) + TRIM_AT
+        else:
+            transient = max(read + cast + parts, cast + int(scheme.transient * numel))
     else:
         est.weights += cast
         transient = read + parts  # the parts of a combined tensor are held while it is built

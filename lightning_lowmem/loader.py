@@ -13,6 +13,7 @@ and the result).
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from lightning_lowmem.offload import Offload, dispatch
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, apply_placement, parse_max_memory, plan_placement
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, Target, make_plan
 from lightning_lowmem.quantize import QuantizeSpec, module_nbytes, prepare_quantization
+from lightning_lowmem.quantize.chunks import RowSource
 from lightning_lowmem.readahead import ScratchBuffer, read_ahead
 
 log = logging.getLogger(__name__)
@@ -225,12 +227,20 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
                disable=not show, leave=False)
     loaded: list[list[str]] = []
     window = _window(plan, quantizer, transform)
-    size = _scratch_size(plan, quantizer) if window == 0 else 0
+
+    def by_rows(t: Target) -> bool:
+        """Quantized a block of rows at a time, each read on its own: the whole weight is never read."""
+        return (quantizer is not None and transform is None and not t.parts and len(t.record.shape) == 2
+                and quantizer.by_rows(t.names[0]) and ckpt.reads_rows(t.record.key))
+
+    size = _scratch_size(plan, lambda t: _copied_after_read(t, quantizer) and not by_rows(t)) if window == 0 else 0
     scratch = ScratchBuffer(size) if size else None
 
-    def read(t: Target) -> torch.Tensor:
+    def read(t: Target) -> torch.Tensor | RowSource:
         if t.parts:
             return _read_combined(ckpt, t, combine)
+        if by_rows(t):
+            return _row_source(ckpt, t)
         if scratch is not None and t.record.nbytes <= size and _copied_after_read(t, quantizer):
             return ckpt.read(t.record.key, out=scratch.view(t.record.shape, t.record.dtype))
         return ckpt.read(t.record.key)
@@ -238,11 +248,14 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     try:
         with torch.no_grad():
             for target, tensor in read_ahead(plan.targets, read, lambda t: t.read_nbytes, window):
-                if transform is not None:
-                    tensor = transform(target.names[0], tensor)
-                tensor = tensor.to(dtype=target.dtype).to(device=target.device)
-                if quantizer is None or not quantizer.load(module, target.names[0], tensor):
-                    assign(module, target.names, tensor, target.is_parameter)
+                if isinstance(tensor, RowSource):
+                    quantizer.load(module, target.names[0], tensor)
+                else:
+                    if transform is not None:
+                        tensor = transform(target.names[0], tensor)
+                    tensor = tensor.to(dtype=target.dtype).to(device=target.device)
+                    if quantizer is None or not quantizer.load(module, target.names[0], tensor):
+                        assign(module, target.names, tensor, target.is_parameter)
                 report.tensors += len(target.parts) or 1
                 report.bytes_read += target.read_nbytes
                 loaded.append(target.names)
@@ -253,6 +266,26 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
         raise
     finally:
         bar.close()
+
+
+def _row_source(ckpt: Checkpoint, target: Target) -> RowSource:
+    """``target``'s weight as blocks of rows, each read from the file into one reused buffer, cast and moved."""
+    rec = target.record
+    row_elements = math.prod(rec.shape[1:])
+    buffer = torch.empty(0, dtype=rec.dtype)
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        nonlocal buffer
+        if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
+            block = ckpt.read(rec.key)
+        else:
+            n = (stop - start) * row_elements
+            if buffer.numel() < n:
+                buffer = torch.empty(n, dtype=rec.dtype)
+            block = ckpt.read_rows(rec.key, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
+        return block.to(dtype=target.dtype).to(device=target.device)
+
+    return RowSource(rec.shape, target.dtype, target.device, rows)
 
 
 def _read_combined(ckpt: Checkpoint, target: Target, combine: Combine) -> torch.Tensor:
@@ -276,8 +309,8 @@ def _copied_after_read(target: Target, quantizer) -> bool:
                                  or (quantizer is not None and quantizer.owns(target.names[0])))
 
 
-def _scratch_size(plan: LoadPlan, quantizer) -> int:
-    """Bytes of the reused read buffer: the largest copied tensor read in the second half of the load.
+def _scratch_size(plan: LoadPlan, copied: Callable[[Target], bool]) -> int:
+    """Bytes of the reused read buffer: the largest ``copied`` tensor read in the second half of the load.
 
     The buffer is held to the end, when the model is nearly complete, so it is sized to the transients
     of that part of the load; a larger tensor read early (litgpt reads ``lm_head`` first) gets fresh
@@ -285,7 +318,7 @@ def _scratch_size(plan: LoadPlan, quantizer) -> int:
     """
     total, done, size = plan.nbytes, 0, 0
     for target in plan.targets:
-        if done >= total / 2 and _copied_after_read(target, quantizer):
+        if done >= total / 2 and copied(target):
             size = max(size, target.record.nbytes)
         done += target.read_nbytes
     return size

@@ -22,14 +22,12 @@ torchao 0.18 ``Int8WeightOnlyConfig`` / ``Int8DynamicActivationInt8WeightConfig`
 every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao's
 ``Int4WeightOnlyConfig(group_size=128)`` layout, not measured here).
 
-``transient`` is what quantizing one weight holds on top of the weight itself and
-its quantized result, in bytes per element of that weight, as the loader does it:
-bitsandbytes on blocks of rows (:mod:`lightning_lowmem.quantize.chunks`; the block
-temporaries plus the heap the blocks leave resident), torchao on the whole weight.
-Calibrated on CPU from load peaks: pythia-1b nf4 with 4 Mi-element blocks (the
-8192 x 2048 MLP weight: 202 MiB above the final model and the library, 9.2 bytes
-per element), matching the 40-60 MiB the quantize tests measure on a 4 Mi-element
-weight; bnb.int8 (9.0) and torchao int8 (7.0) from one whole-weight kernel call.
+``transient`` is what quantizing holds beyond its input and its result, in bytes per
+element quantized at once, as the loader does it: bitsandbytes one block of rows
+(:mod:`lightning_lowmem.quantize.chunks`, 512 Ki elements), torchao the whole weight.
+Measured on CPU in a fresh process: a 512 Ki-element bf16 block peaked 14.3 bytes per
+element above its input in ``quantize_4bit`` (nf4) and 15.0 in ``int8_vectorwise_quant``
+(float16 copy included); torchao int8 (7.0) from one whole-weight call.
 
 ``library`` is what importing the quantization library and its first kernel
 call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
@@ -62,10 +60,10 @@ class SchemeSize:
     row_bytes: int = 0        # bytes per output row (per-row scales, zero points)
     double_quant: bool = False
     tables: int = 0           # bytes of per-weight lookup tables (bitsandbytes' code)
-    transient: float = 0.0    # bytes per element of the weight held while quantizing it (CPU, measured)
+    transient: float = 0.0    # bytes per element quantized at once (a block, or the weight) held meanwhile
     library: int = 0          # import + first kernel call (CPU, measured)
     first_forward: float = 2.0  # bytes per weight the largest quantized Linear holds in its first forward
-    chunked: bool = True      # the loader quantizes blocks of rows and joins them (bitsandbytes); torchao: whole
+    chunked: bool = True      # the loader reads and quantizes blocks of rows (bitsandbytes); torchao: whole
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
@@ -81,7 +79,7 @@ class SchemeSize:
 
 
 _MiB = 2**20
-_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 9.2,
+_BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 14.3,
          "library": 58 * _MiB, "first_forward": 7.0}
 _TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB, "chunked": False}
 SCHEMES: dict[str, SchemeSize] = {
@@ -89,7 +87,7 @@ SCHEMES: dict[str, SchemeSize] = {
     "bnb.fp4": SchemeSize("bnb.fp4", **_BNB4),
     "bnb.nf4-dq": SchemeSize("bnb.nf4-dq", **_BNB4, double_quant=True),
     "bnb.fp4-dq": SchemeSize("bnb.fp4-dq", **_BNB4, double_quant=True),
-    "bnb.int8": SchemeSize("bnb.int8", code_bits=8, row_bytes=4, transient=9.0, library=53 * _MiB),
+    "bnb.int8": SchemeSize("bnb.int8", code_bits=8, row_bytes=4, transient=15.0, library=53 * _MiB),
     "torchao.int8wo": SchemeSize("torchao.int8wo", **_TORCHAO),
     "torchao.int8dq": SchemeSize("torchao.int8dq", **_TORCHAO),
     "torchao.int4wo": SchemeSize("torchao.int4wo", **{**_TORCHAO, "code_bits": 4, "row_bytes": 0, "block": 128,

@@ -47,4 +47,27 @@ class CheckpointFile(Protocol):
         """A new CPU tensor with the stored data, sharing memory with nothing else (or ``out``, filled)."""
         ...
 
+    def reads_rows(self, key: str) -> bool:
+        """Whether :meth:`read_rows` can read a block of rows of ``key`` without reading the rest."""
+        ...
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of ``key``, as :meth:`read` would give them."""
+        ...
+
     def close(self) -> None: ...
+
+
+def row_span(record: TensorRecord, start: int, stop: int) -> tuple[int, tuple[int, ...]]:
+    """Byte offset of row ``start`` in a C-contiguous tensor's data, and the shape of rows ``start:stop``.
+
+    Example::
+
+        >>> rec = TensorRecord("w", (10, 4), torch.bfloat16, Path("m.safetensors"))
+        >>> row_span(rec, 2, 5)
+        (16, (3, 4))
+    """
+    if not record.shape or not 0 <= start <= stop <= record.shape[0]:
+        raise IndexError(f"rows {start}:{stop} of {record.key!r} (shape {record.shape})")
+    row_bytes = math.prod(record.shape[1:]) * record.dtype.itemsize
+    return start * row_bytes, (stop - start, *record.shape[1:])

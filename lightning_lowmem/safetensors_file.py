@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from lightning_lowmem.errors import CheckpointFormatError
-from lightning_lowmem.records import TensorRecord
+from lightning_lowmem.records import TensorRecord, row_span
 from lightning_lowmem.torch_file import read_exactly
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -69,9 +69,20 @@ class SafetensorsFile:
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         record = self._records[key]
-        out = torch.empty(record.shape, dtype=record.dtype) if out is None else out
+        return self._read_at(key, 0, record.shape, out)
+
+    def reads_rows(self, key: str) -> bool:
+        return len(self._records[key].shape) >= 1
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        skip, shape = row_span(self._records[key], start, stop)
+        return self._read_at(key, skip, shape, out)
+
+    def _read_at(self, key: str, skip: int, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """``shape`` worth of tensor ``key``'s data, from ``skip`` bytes into it."""
+        out = torch.empty(shape, dtype=self._records[key].dtype) if out is None else out
         try:
-            read_exactly(self._fd, out, self._offsets[key], self.path)
+            read_exactly(self._fd, out, self._offsets[key] + skip, self.path)
         except CheckpointFormatError as e:
             raise CheckpointFormatError(f"Tensor {key!r}: {e}") from e  # e names the file and the offset
         except OSError as e:

@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError
-from lightning_lowmem.records import TensorRecord
+from lightning_lowmem.records import TensorRecord, row_span
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -159,6 +159,19 @@ class TorchZipFile:
         whole = torch.empty(loc.storage_nbytes // itemsize, dtype=rec.dtype)
         read_exactly(self._fd, whole, loc.offset, self.path)
         return whole.as_strided(rec.shape, loc.stride, loc.storage_offset).clone()
+
+    def reads_rows(self, key: str) -> bool:
+        return self._locations[key].contiguous and len(self._records[key].shape) >= 1
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        rec, loc = self._records[key], self._locations[key]
+        if not loc.contiguous:
+            raise ValueError(f"{self.path}: {key!r} is a strided view; read it whole with read().")
+        skip, shape = row_span(rec, start, stop)
+        out = torch.empty(shape, dtype=rec.dtype) if out is None else out
+        if out.numel():
+            read_exactly(self._fd, out, loc.offset + loc.storage_offset * rec.dtype.itemsize + skip, self.path)
+        return out
 
     def close(self) -> None:
         os.close(self._fd)

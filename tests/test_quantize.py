@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import lightning_lowmem.quantize.chunks as chunks
-from lightning_lowmem import Checkpoint, DeviceUnavailableError, UnsupportedQuantizationError, init_empty, load_checkpoint
+from lightning_lowmem import Checkpoint, CheckpointFormatError, DeviceUnavailableError, UnsupportedQuantizationError, init_empty, load_checkpoint
 from lightning_lowmem.plan import make_plan
 from lightning_lowmem.quantize import (
     SCHEMES,
@@ -206,6 +207,73 @@ def test_odd_shapes_chunked(tmp_path, scheme, monkeypatch):
     x = torch.randn(3, 100, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "sharded-safetensors", "pth", "lightning", "fp32-safetensors"])
+@pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4-dq", "bnb.int8"] if s in ON_CPU])
+def test_weights_read_by_rows_from_every_format(tmp_path, scheme, kind, monkeypatch):
+    """bitsandbytes weights are read from the file a block of rows at a time (never whole), in every format.
+
+    Blocks of 1000 elements (7 rows) and a ragged last block; an fp32 file is cast block by block. The
+    result must be the bytes bitsandbytes gives after a full bf16 load.
+    """
+    from conftest import write_checkpoint
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1000)
+    torch.manual_seed(0)
+    source = litgpt.GPT(litgpt.Config(**LIT_CONFIG))
+    state = source.state_dict() if kind.startswith("fp32") else source.to(torch.bfloat16).state_dict()
+    path = write_checkpoint(state, kind.removeprefix("fp32-"), tmp_path)
+    reads: list[tuple[str, int, int]] = []
+    whole: list[str] = []
+    real_rows, real_read = Checkpoint.read_rows, Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read_rows", lambda self, key, a, b, out=None: (
+        reads.append((key, a, b)), real_rows(self, key, a, b, out))[1])
+    monkeypatch.setattr(Checkpoint, "read", lambda self, key, out=None: (whole.append(key), real_read(self, key, out))[1])
+
+    model, report = lit_load(path, quantize=scheme)
+    whole_reads = set(whole)
+    ref = quantize_after_load(lit_load(path)[0], scheme)
+    assert_same_weights(model, ref)
+    torch.testing.assert_close(logits(model), logits(ref), rtol=0, atol=0)
+    quantized_weights = {f"{name}.weight" for name in report.quantized}
+    assert quantized_weights and not quantized_weights & whole_reads  # none of them was read whole
+    fc = "transformer.h.0.mlp.fc.weight"  # 256 x 128: blocks of 7 rows, the last one of 4
+    assert [(a, b) for key, a, b in reads if key == fc][:37] == [(a, min(a + 7, 256)) for a in range(0, 256, 7)]
+    assert {key for key, _, _ in reads} == quantized_weights
+    assert report.quantized_bytes_before == sum(2 * model.get_submodule(n).in_features
+                                                * model.get_submodule(n).out_features for n in report.quantized)
+
+
+def test_file_cut_short_while_a_weight_is_read_by_rows(tmp_path, monkeypatch):
+    """The file shrinks half-way through a weight read by rows: a typed error, and nothing left loaded."""
+    import os
+
+    monkeypatch.setattr(chunks, "CHUNK_ELEMENTS", 1000)
+    torch.manual_seed(0)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in litgpt.GPT(litgpt.Config(**LIT_CONFIG)).to(torch.bfloat16)
+               .state_dict().items()}, path)
+    real_rows, calls = Checkpoint.read_rows, []
+
+    def read_rows(self, key, start, stop, out=None):
+        calls.append(key)
+        if len(set(calls)) == 2 and calls[-3] == key:  # 3rd block of the 2nd weight: the file now ends in it
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                begin, end = json.loads(f.read(size))[key]["data_offsets"]
+            os.truncate(path, 8 + size + (begin + end) // 2)
+        return real_rows(self, key, start, stop, out)
+
+    monkeypatch.setattr(Checkpoint, "read_rows", read_rows)
+    with init_empty():
+        model = litgpt.GPT(litgpt.Config(**LIT_CONFIG))
+    with pytest.raises(CheckpointFormatError, match="truncated") as error:
+        load_checkpoint(model, path, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
+    assert str(path) in str(error.value) and repr(calls[-1]) in str(error.value)
+    assert len(set(calls)) == 2  # it failed in that weight, after quantizing another
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert all(p.is_meta for p in model.parameters())
 
 
 # ---------------------------------------------------------------- transformers: tied and output embeddings

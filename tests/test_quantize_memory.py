@@ -5,12 +5,12 @@ largest Linear 4 Mi elements, 8 MiB in bf16). bitsandbytes weights are quantized
 blocks of rows (512 Ki elements: the largest Linear takes 8 blocks).
 
 Measured on the 2-core development machine, the load's peak RSS above its start minus
-the final quantized bytes was 40-60 MiB (bnb.nf4, bnb.int8, torchao.int8wo, int8dq)
-and 76-80 MiB (bnb.fp4-dq): the weight being quantized, the temporaries of one block
-(torchao: of the whole weight), the quantized blocks while they are joined, and what
-the allocator has not handed back yet. The bound below leaves ~35 MiB over the
-largest of the two schemes tested. A loader that kept the full-precision weights
-would peak above the bf16 size (304 MiB) and fail. (With 6 layers, torchao.int8wo's
+the final quantized bytes was 26-28 MiB for bnb.nf4 (its weights are read and quantized
+a block of rows at a time) and 42-74 MiB for torchao.int8wo (the whole weight, read
+into one reused buffer, and torchao's temporaries for it), plus what the allocator has
+not handed back yet. The bound below leaves ~22 MiB over the largest of those. A
+loader that kept the full-precision weights would peak above the bf16 size (304 MiB)
+and fail. (With 6 layers, torchao.int8wo's
 peak once came within 2 MiB of the bf16 size in a fresh clone: 10 layers leave that
 check a margin of ~60 MiB.)
 """
@@ -69,6 +69,40 @@ def test_peak_is_quantized_model_plus_a_layer(checkpoint, scheme):
     assert result["final"] < 0.7 * result["read"]
     assert result["peak"] <= result["final"] + MARGIN, result
     assert result["peak"] < result["read"], result
+
+
+BIG_LINEAR = """
+import json, sys, torch
+import bitsandbytes
+from torch import nn
+from lightning_lowmem import init_empty, load_checkpoint
+with init_empty():
+    model = nn.Sequential(nn.Linear(1024, 65536), nn.Linear(65536, 1024))
+report = load_checkpoint(model, sys.argv[1], dtype=torch.bfloat16, quantize=sys.argv[2])
+print(json.dumps({"peak": report.memory.rss_peak_delta, "final": report.bytes_loaded, "read": report.bytes_read}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.int8"])
+def test_a_large_weight_is_never_whole_in_memory(tmp_path, scheme):
+    """Two 128 MiB weights (in bf16), quantized as blocks of rows are read: the peak stays far below one of them.
+
+    Measured here: the peak was the final model + 24 MiB (nf4) and + 19-22 MiB (int8); reading each
+    weight whole before quantizing it, as the previous version did, peaked at + 150 MiB and + 146 MiB.
+    """
+    torch.manual_seed(0)
+    source = torch.nn.Sequential(torch.nn.Linear(1024, 65536), torch.nn.Linear(65536, 1024)).to(torch.bfloat16)
+    save_file(source.state_dict(), tmp_path / "big.safetensors")
+    del source
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", BIG_LINEAR, str(tmp_path / "big.safetensors"), scheme],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(scheme, {k: round(v / 2**20, 1) for k, v in result.items()})
+    assert result["peak"] <= result["final"] + 48 * 2**20, result  # one weight alone is 128 MiB
 
 
 FIRST_FORWARD = """

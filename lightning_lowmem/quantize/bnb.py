@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.heap import release_free_heap
-from lightning_lowmem.quantize.chunks import map_rows
+from lightning_lowmem.quantize.chunks import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -30,6 +30,7 @@ class BnbScheme(QuantScheme):
     """Shared by the bitsandbytes schemes: the CUDA build check."""
 
     package: ClassVar[str] = "bitsandbytes"
+    by_rows: ClassVar[bool] = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         reason = super().unavailable_reason(device)
@@ -71,10 +72,11 @@ class Bnb4bit(BnbScheme):
                          quant_storage=self.quant_storage, device="meta")
         return _adopt(new, linear)
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         from bitsandbytes.nn import Params4bit
 
-        packed, state = self._quantize(weight.contiguous())
+        weight = weight if isinstance(weight, RowSource) else RowSource.of(weight)
+        packed, state = self._quantize(weight)
         module.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=self.blocksize,
                                    compress_statistics=self.double_quant, quant_type=self.quant_type,
                                    quant_storage=self.quant_storage, module=module, bnb_quantized=True)
@@ -82,23 +84,23 @@ class Bnb4bit(BnbScheme):
         if weight.device.type == "cpu":
             trim_after_first_forward(module)
 
-    def _quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def _quantize(self, weight: RowSource) -> tuple[torch.Tensor, Any]:
         """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""
         import bitsandbytes.functional as F
 
         if self.quant_storage != torch.uint8:  # packed pairs viewed as another dtype: quantize whole
-            return F.quantize_4bit(weight, blocksize=self.blocksize, compress_statistics=self.double_quant,
+            return F.quantize_4bit(weight.whole().contiguous(), blocksize=self.blocksize, compress_statistics=self.double_quant,
                                    quant_type=self.quant_type, quant_storage=self.quant_storage)
 
         def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             packed, state = F.quantize_4bit(rows, blocksize=self.blocksize, quant_type=self.quant_type)
             return packed, state.absmax
 
-        n = weight.numel()
+        n = weight.numel
         packed, absmax = map_rows(weight, quantize, lengths=((n + 1) // 2, -(-n // self.blocksize)),
                                   align=self.blocksize)
         # the rest as quantize_4bit does it, on the whole weight's scales
-        common = dict(shape=weight.shape, dtype=weight.dtype, blocksize=self.blocksize, quant_type=self.quant_type,
+        common = dict(shape=torch.Size(weight.shape), dtype=weight.dtype, blocksize=self.blocksize, quant_type=self.quant_type,
                       code=F.get_4bit_type(self.quant_type, device=weight.device))
         if not self.double_quant:
             return packed, F.QuantState(absmax=absmax, **common)
@@ -161,7 +163,7 @@ class BnbInt8(BnbScheme):
                            has_fp16_weights=False, threshold=self.threshold, device="meta")
         return _adopt(new, linear)
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         import bitsandbytes.functional as F
         from bitsandbytes.nn import Int8Params
 
@@ -169,7 +171,7 @@ class BnbInt8(BnbScheme):
             qrows, scales, _ = F.int8_vectorwise_quant(rows.to(torch.float16))  # as Int8Params._quantize
             return qrows, scales
 
-        qweight, scales = map_rows(weight.contiguous(), quantize, lengths=(weight.shape[0], weight.shape[0]))
+        qweight, scales = map_rows(weight, quantize, lengths=(weight.shape[0], weight.shape[0]))
         module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
 
 

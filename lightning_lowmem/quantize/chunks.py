@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,12 +41,46 @@ def rows_per_chunk(shape: Sequence[int], align: int = 1, chunk_elements: int | N
     return max(unit, (chunk_elements // cols) // unit * unit)
 
 
-def map_rows(weight: torch.Tensor, quantize: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+@dataclass(frozen=True)
+class RowSource:
+    """A 2-D weight handed out a block of rows at a time, so that it never has to exist whole.
+
+    The loader makes one over a checkpoint tensor (each block read from the file, cast and
+    moved on its own); :meth:`of` makes one over a tensor already in memory.
+
+    Attributes:
+        shape: the whole weight's shape.
+        dtype: the dtype of the blocks.
+        device: where the blocks are.
+        rows: ``rows(start, stop)`` gives rows ``start:stop``. A block may share memory with
+            the previous one: it must be used before the next is asked for.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    rows: Callable[[int, int], torch.Tensor]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> RowSource:
+        weight = weight.contiguous()
+        return cls(tuple(weight.shape), weight.dtype, weight.device, lambda start, stop: weight[start:stop])
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def whole(self) -> torch.Tensor:
+        """The whole weight, for a quantizer that cannot work by rows."""
+        return self.rows(0, self.shape[0])
+
+
+def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor], Sequence[torch.Tensor]],
              lengths: Sequence[int], align: int = 1) -> list[torch.Tensor]:
     """``quantize`` blocks of rows of ``weight``, writing each of its outputs into one tensor along dim 0.
 
     Args:
-        weight: a 2-D weight.
+        weight: a 2-D weight, or a :class:`RowSource` that reads it a block at a time.
         quantize: returns the tensors that hold a block's quantized data; each must be laid
             out along dim 0 in the order of the block's elements.
         lengths: the dim-0 length of each output for the whole weight (dtype and other dims are
@@ -55,14 +90,15 @@ def map_rows(weight: torch.Tensor, quantize: Callable[[torch.Tensor], Sequence[t
     Returns:
         The outputs for the whole weight: the same as ``quantize(weight)``.
     """
-    rows = weight.shape[0]
-    step = rows_per_chunk(weight.shape, align)
+    source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
+    rows = source.shape[0]
+    step = rows_per_chunk(source.shape, align)
     if step >= rows:
-        return list(quantize(weight))
+        return list(quantize(source.whole()))
     outputs: list[torch.Tensor] = []
     offsets = [0] * len(lengths)
     for start in range(0, rows, step):
-        pieces = quantize(weight[start:start + step])
+        pieces = quantize(source.rows(start, min(start + step, rows)))
         if not outputs:  # written into as they come: no list of pieces, no concatenated copy
             outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths)]
         for i, piece in enumerate(pieces):

@@ -7,6 +7,7 @@
                                                   # after the plan, before any weight is read:
                                                   # kernel check, Linear -> scheme's module (on meta)
     for each tensor read:  quantizer.load(module, name, tensor)  # True: quantized and installed
+                           # (a RowSource instead of a tensor where quantizer.by_rows(name))
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from lightning_lowmem.heap import release_free_heap
 from lightning_lowmem.materialize import owner_of
 from lightning_lowmem.plan import LoadPlan
+from lightning_lowmem.quantize.chunks import RowSource
 from lightning_lowmem.quantize.nbytes import tensor_nbytes
 from lightning_lowmem.quantize.schemes import QuantScheme, check_available, make_scheme
 from lightning_lowmem.quantize.selection import select_linears
@@ -117,7 +119,11 @@ class Quantizer:
         """Whether weight ``name`` is quantized by this quantizer (so :meth:`load` copies it)."""
         return name in self._weights
 
-    def load(self, module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    def by_rows(self, name: str) -> bool:
+        """Whether weight ``name`` may be handed to :meth:`load` as a :class:`RowSource` (read a block at a time)."""
+        return self.scheme.by_rows and name in self._weights
+
+    def load(self, module: nn.Module, name: str, tensor: torch.Tensor | RowSource) -> bool:
         """Quantize ``tensor`` into the module that owns weight ``name``.
 
         Returns:
@@ -128,7 +134,7 @@ class Quantizer:
         if module_name is None:
             return False
         target = module.get_submodule(module_name)
-        self.bytes_before += tensor.numel() * tensor.element_size()
+        self.bytes_before += (tensor.numel if isinstance(tensor, RowSource) else tensor.numel()) * tensor.dtype.itemsize
         self.scheme.load_weight(target, tensor)
         self.bytes_after += tensor_nbytes(target.weight)
         self.quantized[module_name] = self.scheme.name

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.errors import UnsupportedQuantizationError
+from lightning_lowmem.quantize.chunks import RowSource
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -40,6 +41,9 @@ class QuantScheme:
     """The spelling the scheme is registered under, e.g. ``"bnb.nf4"`` (set by :func:`register_scheme`)."""
     package: ClassVar[str] = ""
     """The pip package whose kernels the scheme uses."""
+    by_rows: ClassVar[bool] = False
+    """Whether :meth:`load_weight` also takes a :class:`~lightning_lowmem.quantize.chunks.RowSource`: the loader
+    then reads the weight a block of rows at a time, and the whole full-precision weight never exists."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the scheme cannot run on ``device`` (a missing package or kernel), or None when it can."""
@@ -61,10 +65,11 @@ class QuantScheme:
         """The module that takes ``linear``'s place before its weight is read (weights on meta)."""
         return linear
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         """Quantize the full-precision ``weight`` into ``module`` (made by :meth:`replace`).
 
-        Must keep no reference to ``weight``: the loader frees it before reading the next tensor.
+        ``weight`` is a :class:`RowSource` only for schemes with :attr:`by_rows`. Must keep no
+        reference to ``weight``: the loader frees it before reading the next tensor.
         """
         raise NotImplementedError
 
