@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -268,8 +269,13 @@ def _row(name: str, r: dict, floor: int, model_bytes: int) -> str:
     peak, load = (r["peak"] - floor) / model_bytes, (r["peak"] - r["before"]) / model_bytes
     final = f"{r['final'] / 2**30:.2f} GiB ({r['final'] / model_bytes:.2f})"
     return (f"| {METHODS[name]} | {peak:.2f} | {load:.2f} | {final} "
-            f"| {(r['peak_forward'] - floor) / model_bytes:.2f} | {r['seconds']:.1f} "
+            f"| {(r['peak_forward'] - floor) / model_bytes:.2f} | {_seconds(r)} "
             f"| {r['cosine']:.5f} | {r['sqnr']:.1f} dB |")
+
+
+def _seconds(r: dict) -> str:
+    low, high = r.get("range", (r["seconds"], r["seconds"]))
+    return f"{r['seconds']:.1f}" if high - low < 0.05 else f"{r['seconds']:.1f} ({low:.1f}-{high:.1f})"
 
 
 # lightning_lowmem row -> the same library's load-then-quantize row, for the load-time ratio
@@ -278,7 +284,7 @@ SAME_LIBRARY = {"lowmem:bnb.nf4": "after-bnb:nf4", "lowmem:bnb.int8": "after-bnb
 
 
 def _merge(runs: list[dict]) -> dict:
-    """Several runs of one method: the highest peaks, the shortest time (the least disturbed run)."""
+    """Several runs of one method: the highest peaks, the median seconds (and their range)."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return runs[0]
@@ -286,8 +292,16 @@ def _merge(runs: list[dict]) -> dict:
     for key in ("peak", "peak_forward", "final"):
         merged[key] = max(r[key] for r in ok)
     merged["before"] = min(r["before"] for r in ok)
-    merged["seconds"] = min(r["seconds"] for r in ok)
+    seconds = sorted(r["seconds"] for r in ok)
+    merged["seconds"] = statistics.median(seconds)
+    merged["range"] = (seconds[0], seconds[-1])
     return merged
+
+
+def _time_ratios(runs: dict[str, list[dict]], ours: str, theirs: str) -> list[float]:
+    """Our seconds over theirs, round by round (the two ran minutes apart, under the same load)."""
+    return [a["seconds"] / b["seconds"] for a, b in zip(runs.get(ours, []), runs.get(theirs, []))
+            if "seconds" in a and "seconds" in b]
 
 
 def main() -> None:
@@ -295,7 +309,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
     parser.add_argument("--only", nargs="*", default=None, help="run the methods whose name contains one of these")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds over all methods (peaks: max, seconds: min)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds over all methods (peaks: the highest; seconds: the median and range)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -324,9 +339,10 @@ def main() -> None:
         print(_row(name, results[name], floor, model_bytes))
     print()
     for ours, theirs in SAME_LIBRARY.items():
-        a, b = results.get(ours, {}), results.get(theirs, {})
-        if "seconds" in a and "seconds" in b:
-            print(f"load time {ours} / {theirs}: {a['seconds'] / b['seconds']:.2f}")
+        ratios = _time_ratios(runs, ours, theirs)
+        if ratios:
+            print(f"load time {ours} / {theirs}: median {statistics.median(ratios):.2f} "
+                  f"(rounds: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 def _bf16_bytes(path: Path) -> int:

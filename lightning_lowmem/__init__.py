@@ -1,6 +1,13 @@
-"""lightning_lowmem: load, quantize and run large models in the memory of the final model."""
+"""lightning_lowmem: load, quantize and run large models in the memory of the final model.
 
-from lightning_lowmem.callback import LowMemCallback
+Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
+are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy
+registry loads (:mod:`lightning_lowmem.registration`).
+"""
+
+import importlib
+from typing import Any
+
 from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
 from lightning_lowmem.dtype_fallback import BF16FallbackWarning, assume_bf16_support, supports_bf16
 from lightning_lowmem.errors import (
@@ -25,7 +32,23 @@ from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
 from lightning_lowmem.offload import Offload, dispatch, enable_offload, layer_offload, sequential_offload
 from lightning_lowmem.placement import PlacementPlan, placement_plan
 from lightning_lowmem.plan import Combine
-from lightning_lowmem.strategy import LowMemStrategy  # registers Fabric(strategy="lowmem")
+from lightning_lowmem.registration import register_when_lightning_loads
+
+register_when_lightning_loads()
+
+_LIGHTNING_CLASSES = {"LowMemStrategy": "lightning_lowmem.strategy", "LowMemCallback": "lightning_lowmem.callback"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_CLASSES:  # subclasses of Lightning's classes: importing them imports Lightning
+        value = getattr(importlib.import_module(_LIGHTNING_CLASSES[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LIGHTNING_CLASSES))
 
 __version__ = "0.1.0.dev0"
 

@@ -20,11 +20,8 @@ import torch
 from torch import nn
 
 from lightning_lowmem.plan import LoadPlan, Target
-from lightning_lowmem.quant_sizes import SCHEMES, scheme_size
+from lightning_lowmem.quant_sizes import scheme_size
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP
-
-QUANT_SCHEMES = tuple(SCHEMES)
-
 
 def quantized_nbytes(scheme: str, out_features: int, in_features: int) -> int:
     """Bytes a ``scheme``-quantized ``(out_features, in_features)`` weight occupies (see :mod:`.quant_sizes`).

@@ -29,7 +29,6 @@ from torch import nn
 
 from lightning_lowmem.errors import MemoryBudgetError
 from lightning_lowmem.layers import (
-    QUANT_SCHEMES,
     Layer,
     activation_nbytes,
     cache_nbytes,
@@ -37,6 +36,7 @@ from lightning_lowmem.layers import (
     group_layers,
 )
 from lightning_lowmem.memory import format_bytes, parse_bytes
+from lightning_lowmem.quant_sizes import scheme_size
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan
 from lightning_lowmem.records import TensorRecord
 
@@ -193,9 +193,8 @@ def plan_placement(
     activation_bytes: int | None = None,
 ) -> PlacementPlan:
     """Place the layers of a :class:`LoadPlan` within ``max_memory`` (see :func:`placement_plan`)."""
-    if quantize is not None and quantize not in QUANT_SCHEMES:
-        raise ValueError(f"Unknown quantization scheme {quantize!r} for the placement; known: "
-                         f"{', '.join(QUANT_SCHEMES)}.")
+    if quantize is not None:
+        scheme_size(quantize)  # an unknown name: UnsupportedQuantizationError (a ValueError), before any work
     budgets, execution, offload = parse_max_memory(max_memory)
     layers = group_layers(module, plan, quantize=quantize, skip_quantize=skip_quantize)
     itemsize = floating_itemsize(module, dtype)

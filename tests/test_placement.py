@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
 
-from lightning_lowmem import Checkpoint, MemoryBudgetError, init_empty, load_checkpoint, placement_plan
+from lightning_lowmem import (
+    Checkpoint,
+    MemoryBudgetError,
+    UnsupportedQuantizationError,
+    init_empty,
+    load_checkpoint,
+    placement_plan,
+)
 from lightning_lowmem.layers import quantized_nbytes
 from lightning_lowmem.placement import parse_max_memory
 
@@ -162,7 +169,7 @@ def test_quantized_plan_counts_linear_weights_at_the_scheme_size_and_skips_the_h
     expected += sum(t.numel() * 2 for n, t in block.state_dict().items()
                     if not any(n == f"{name}.weight" for name, m in block.named_modules() if type(m) is nn.Linear))
     assert by_name["transformer.h.0"] == expected
-    with pytest.raises(ValueError, match="Unknown quantization scheme"):
+    with pytest.raises(UnsupportedQuantizationError, match="Unknown quantization scheme 'bnb.int3'; known: bnb.nf4"):
         placement_plan(model, None, {"cpu": "1GiB"}, quantize="bnb.int3")
 
 
