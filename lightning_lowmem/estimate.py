@@ -22,11 +22,11 @@ litgpt ``Config``, for a quantization scheme, a batch size and a context
     library        importing the quantization library and its first kernel call
                    (:mod:`lightning_lowmem.quant_sizes`)
     load transient the largest extra bytes one tensor holds while it is streamed in:
-                   the tensor as read when it is cast; for bitsandbytes weights (read,
-                   cast and quantized a block of rows at a time) one block as read, cast
-                   and quantized (``quant_sizes``: bytes per element, measured) + the
-                   freed heap a trim leaves (at most ``TRIM_AT``); for torchao weights,
-                   the cast weight + what quantizing it holds; a tensor combined from
+                   the tensor as read when it is cast; for weights read, cast and
+                   quantized a block of rows at a time (bitsandbytes, torchao int8) one
+                   block as read, cast and quantized (``quant_sizes``: bytes per element,
+                   measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
+                   torchao int4, the cast weight + what quantizing it holds; a tensor combined from
                    parts (an HF checkpoint's q, k, v into litgpt's qkv) adds itself and
                    its parts; plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations

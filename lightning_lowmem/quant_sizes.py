@@ -23,11 +23,12 @@ every row but ``torchao.int4wo``, whose kernels need CUDA (formula from torchao'
 ``Int4WeightOnlyConfig(group_size=128)`` layout, not measured here).
 
 ``transient`` is what quantizing holds beyond its input and its result, in bytes per
-element quantized at once, as the loader does it: bitsandbytes one block of rows
-(:mod:`lightning_lowmem.quantize.chunks`, 512 Ki elements), torchao the whole weight.
-Measured on CPU in a fresh process: a 512 Ki-element bf16 block peaked 14.3 bytes per
-element above its input in ``quantize_4bit`` (nf4) and 15.0 in ``int8_vectorwise_quant``
-(float16 copy included); torchao int8 (7.0) from one whole-weight call.
+element quantized at once, as the loader does it: one block of rows
+(:mod:`lightning_lowmem.quantize.chunks`, 512 Ki elements) for bitsandbytes and torchao
+int8, the whole weight for torchao int4. Measured on CPU in a fresh process, on a
+512 Ki-element bf16 block after a first call: 14.3 bytes per element in ``quantize_4bit``
+(nf4), 15.0 in ``int8_vectorwise_quant`` (its float16 copy included), 11-12 in torchao's
+``quantize_`` (int8wo, int8dq); torchao int4 (7.0) is not measured here (no CPU kernel).
 
 ``library`` is what importing the quantization library and its first kernel
 call add to the process (CPU, measured: bitsandbytes 46.6 MiB import + 11.4 MiB
@@ -63,7 +64,7 @@ class SchemeSize:
     transient: float = 0.0    # bytes per element quantized at once (a block, or the weight) held meanwhile
     library: int = 0          # import + first kernel call (CPU, measured)
     first_forward: float = 2.0  # bytes per weight the largest quantized Linear holds in its first forward
-    chunked: bool = True      # the loader reads and quantizes blocks of rows (bitsandbytes); torchao: whole
+    chunked: bool = True      # the loader reads and quantizes blocks of rows (all but torchao int4: whole)
 
     def nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes stored for an ``(out_features, in_features)`` weight."""
@@ -81,7 +82,7 @@ class SchemeSize:
 _MiB = 2**20
 _BNB4 = {"code_bits": 4, "block": 64, "block_scale_bytes": 4.0, "tables": 64, "transient": 14.3,
          "library": 58 * _MiB, "first_forward": 7.0}
-_TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 7.0, "library": 25 * _MiB, "chunked": False}
+_TORCHAO = {"code_bits": 8, "row_bytes": 5, "transient": 12.0, "library": 25 * _MiB}
 SCHEMES: dict[str, SchemeSize] = {
     "bnb.nf4": SchemeSize("bnb.nf4", **_BNB4),
     "bnb.fp4": SchemeSize("bnb.fp4", **_BNB4),
@@ -91,7 +92,7 @@ SCHEMES: dict[str, SchemeSize] = {
     "torchao.int8wo": SchemeSize("torchao.int8wo", **_TORCHAO),
     "torchao.int8dq": SchemeSize("torchao.int8dq", **_TORCHAO),
     "torchao.int4wo": SchemeSize("torchao.int4wo", **{**_TORCHAO, "code_bits": 4, "row_bytes": 0, "block": 128,
-                                                      "block_scale_bytes": 4.0}),
+                                                      "block_scale_bytes": 4.0, "transient": 7.0, "chunked": False}),
 }
 
 

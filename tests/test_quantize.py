@@ -156,12 +156,12 @@ def logits(model: nn.Module) -> torch.Tensor:
 # ---------------------------------------------------------------- every scheme == the library after a full load
 
 def _with_chunks() -> list:
-    """Every scheme whole; the bitsandbytes ones (which quantize in blocks of rows) also in blocks of 7 rows."""
+    """Every scheme whole; those that quantize in blocks of rows also in blocks of 7 rows."""
     params = []
     for scheme in ALL_SCHEMES:
         marks = [] if scheme in ON_CPU else [pytest.mark.skip(reason=f"{scheme} has no kernel on CPU here")]
         params.append(pytest.param(scheme, None, id=f"{scheme}-whole", marks=marks))
-        if scheme.startswith("bnb."):
+        if SCHEMES[scheme].by_rows:
             params.append(pytest.param(scheme, 1000, id=f"{scheme}-chunked", marks=marks))
     return params
 
@@ -210,12 +210,12 @@ def test_odd_shapes_chunked(tmp_path, scheme, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["safetensors", "sharded-safetensors", "pth", "lightning", "fp32-safetensors"])
-@pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4-dq", "bnb.int8"] if s in ON_CPU])
+@pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4-dq", "bnb.int8", "torchao.int8wo"] if s in ON_CPU])
 def test_weights_read_by_rows_from_every_format(tmp_path, scheme, kind, monkeypatch):
-    """bitsandbytes weights are read from the file a block of rows at a time (never whole), in every format.
+    """Weights are read from the file a block of rows at a time (never whole), in every format.
 
     Blocks of 1000 elements (7 rows) and a ragged last block; an fp32 file is cast block by block. The
-    result must be the bytes bitsandbytes gives after a full bf16 load.
+    result must be the bytes the library gives after a full bf16 load.
     """
     from conftest import write_checkpoint
 

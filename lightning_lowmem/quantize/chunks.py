@@ -76,7 +76,7 @@ class RowSource:
 
 
 def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor], Sequence[torch.Tensor]],
-             lengths: Sequence[int], align: int = 1) -> list[torch.Tensor]:
+             lengths: Sequence[int] | int, align: int = 1, chunk_elements: int | None = None) -> list[torch.Tensor]:
     """``quantize`` blocks of rows of ``weight``, writing each of its outputs into one tensor along dim 0.
 
     Args:
@@ -84,23 +84,27 @@ def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor]
         quantize: returns the tensors that hold a block's quantized data; each must be laid
             out along dim 0 in the order of the block's elements.
         lengths: the dim-0 length of each output for the whole weight (dtype and other dims are
-            taken from the first block's outputs).
+            taken from the first block's outputs); one int: the same for every output.
         align: block boundaries fall on multiples of this many elements (the scheme's blocksize).
+        chunk_elements: elements per block (default :data:`CHUNK_ELEMENTS`).
 
     Returns:
         The outputs for the whole weight: the same as ``quantize(weight)``.
     """
     source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
     rows = source.shape[0]
-    step = rows_per_chunk(source.shape, align)
+    step = rows_per_chunk(source.shape, align, chunk_elements)
     if step >= rows:
         return list(quantize(source.whole()))
     outputs: list[torch.Tensor] = []
-    offsets = [0] * len(lengths)
+    offsets: list[int] = []
     for start in range(0, rows, step):
         pieces = quantize(source.rows(start, min(start + step, rows)))
         if not outputs:  # written into as they come: no list of pieces, no concatenated copy
-            outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths)]
+            if isinstance(lengths, int):
+                lengths = [lengths] * len(pieces)
+            outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths, strict=True)]
+            offsets = [0] * len(outputs)
         for i, piece in enumerate(pieces):
             outputs[i][offsets[i]:offsets[i] + piece.shape[0]] = piece
             offsets[i] += piece.shape[0]

@@ -5,11 +5,12 @@ so nothing is replaced before the load: the full-precision weight is put into
 the Linear and ``torchao.quantization.quantize_`` is called on that one module,
 with the same config object a user would pass after a full load.
 
-The weight is quantized whole, not in blocks of rows as the bitsandbytes schemes
-do: its float32 temporaries are large enough for glibc to map and unmap them
-directly, while blocks of rows come from the heap and left it fragmented. On
-pythia-1b (int8wo) the load peaked at the final model + 144 MiB whole, and
-+209-233 MiB in blocks of 4 Mi elements, also slower.
+The int8 schemes (one scale per output row) are applied to blocks of rows, each read from
+the file on its own, as the bitsandbytes ones are: ``quantize_`` runs on a Linear holding
+the block, and the pieces are joined into the tensor ``quantize_`` makes of the whole
+weight (the tests check it bit for bit). On pythia-1b (int8wo, bf16 safetensors, two runs
+each) the load peaked at the final model + 97-109 MiB and took 8.2-8.7 s by blocks of 512 Ki
+elements, + 156 MiB and 10.4-11.7 s whole (blocks of 2 Mi: + 134-172 MiB, 9.1-9.2 s).
 
 ``torchao.int4wo`` uses torchao's ``Int4WeightOnlyConfig``: on CUDA with the
 ``tile_packed_to_4d`` layout (the tinygemm kernel shipped in PyTorch, compute
@@ -26,30 +27,68 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lightning_lowmem.quantize.chunks import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
 
 
 @dataclass(frozen=True)
 class TorchaoScheme(QuantScheme):
-    """Shared by the torchao schemes: build the config, apply ``quantize_`` to one Linear."""
+    """Shared by the torchao schemes: build the config, apply ``quantize_`` to one Linear.
+
+    Schemes with :attr:`by_rows` (one scale per output row) apply it to blocks of rows and
+    join the pieces into the tensor ``quantize_`` makes of the whole weight.
+    """
 
     package: ClassVar[str] = "torchao"
+    chunk_elements: ClassVar[int | None] = None
+    """Elements per block of rows (None: :data:`~lightning_lowmem.quantize.chunks.CHUNK_ELEMENTS`)."""
 
     def config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
         raise NotImplementedError
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         from torchao.quantization import quantize_
 
-        module.weight = nn.Parameter(weight, requires_grad=False)
-        quantize_(module, self.config(weight.device))
+        if self.by_rows:
+            source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
+            module.weight = nn.Parameter(self._quantize_by_rows(source), requires_grad=False)
+            return
+        module.weight = nn.Parameter(weight.whole() if isinstance(weight, RowSource) else weight, requires_grad=False)
+        quantize_(module, self.config(module.weight.device))
+
+    def _quantize_by_rows(self, weight: RowSource) -> torch.Tensor:
+        """The tensor subclass ``quantize_`` makes of the whole weight, made a block of rows at a time.
+
+        Each block goes through ``quantize_`` on a Linear of its own; the block's inner tensors
+        (``__tensor_flatten__``: int8 codes, per-row scales and zero points) are written into
+        whole-weight ones, and the subclass is rebuilt around them with its own ``__tensor_unflatten__``.
+        """
+        from torchao.quantization import quantize_
+
+        config = self.config(weight.device)
+        layout: dict[str, Any] = {}
+
+        def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
+            with torch.device("meta"):
+                block = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+            block.weight = nn.Parameter(rows, requires_grad=False)
+            quantize_(block, config)
+            names, context = block.weight.__tensor_flatten__()
+            layout.update(cls=type(block.weight), names=names, context=context)
+            return [getattr(block.weight, name) for name in names]
+
+        inner = map_rows(weight, quantize, lengths=weight.shape[0], chunk_elements=self.chunk_elements)
+        return layout["cls"].__tensor_unflatten__(dict(zip(layout["names"], inner, strict=True)), layout["context"],
+                                                  torch.Size(weight.shape), (weight.shape[1], 1))
 
 
 @register_scheme("torchao.int8wo")
 @dataclass(frozen=True)
 class TorchaoInt8WeightOnly(TorchaoScheme):
     """int8 weights, one scale per output row; activations stay in full precision."""
+
+    by_rows: ClassVar[bool] = True
 
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
@@ -61,6 +100,8 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
 @dataclass(frozen=True)
 class TorchaoInt8Dynamic(TorchaoScheme):
     """int8 weights (per row) and activations quantized to int8 per token at run time."""
+
+    by_rows: ClassVar[bool] = True
 
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
