@@ -236,9 +236,11 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer, repo
     size = _scratch_size(plan, lambda t: _copied_after_read(t, quantizer) and not by_rows(t)) if window == 0 else 0
     scratch = ScratchBuffer(size) if size else None
 
+    parts = _SharedParts(ckpt, plan)
+
     def read(t: Target) -> torch.Tensor | RowSource:
         if t.parts:
-            return _read_combined(ckpt, t, combine)
+            return _read_combined(parts, t, combine)
         if by_rows(t):
             return _row_source(ckpt, t)
         if scratch is not None and t.record.nbytes <= size and _copied_after_read(t, quantizer):
@@ -288,9 +290,33 @@ def _row_source(ckpt: Checkpoint, target: Target) -> RowSource:
     return RowSource(rec.shape, target.dtype, target.device, rows)
 
 
-def _read_combined(ckpt: Checkpoint, target: Target, combine: Combine) -> torch.Tensor:
+class _SharedParts:
+    """Reads the parts of combined targets; a part that a later target also needs is read once and held till then.
+
+    litgpt splits Phi-3's ``gate_up_proj`` into ``fc_1`` and ``fc_2``: without this it was read twice.
+    """
+
+    def __init__(self, ckpt: Checkpoint, plan: LoadPlan) -> None:
+        self._ckpt = ckpt
+        self._uses: dict[str, int] = {}
+        for target in plan.targets:
+            for part in target.parts:
+                self._uses[part.key] = self._uses.get(part.key, 0) + 1
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str) -> torch.Tensor:
+        tensor = self._held.pop(key, None)
+        if tensor is None:
+            tensor = self._ckpt.read(key)
+        self._uses[key] -= 1
+        if self._uses[key] > 0:
+            self._held[key] = tensor
+        return tensor
+
+
+def _read_combined(parts: _SharedParts, target: Target, combine: Combine) -> torch.Tensor:
     """The target's parts read one after the other (fresh memory each) and combined; the parts are then dropped."""
-    tensor = combine.fn(target.record.key, {p.key: ckpt.read(p.key) for p in target.parts})
+    tensor = combine.fn(target.record.key, {p.key: parts.take(p.key) for p in target.parts})
     if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a part would keep the whole part alive
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor

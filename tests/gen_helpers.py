@@ -76,6 +76,14 @@ HF_FUSED = {
     "llama-gqa": ("LlamaForCausalLM", dict(num_key_value_heads=2), dict(name="llama-gqa")),
     "qwen2.5": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1e6),  # q, k, v biases
                 dict(name="Qwen2.5-tiny", attn_bias=True, rope_base=1_000_000)),
+    "gemma": ("GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=8, hidden_activation="gelu_pytorch_tanh"),
+              dict(name="Gemma-tiny", n_query_groups=1, mlp_class_name="GemmaMLP", gelu_approximate="tanh",
+                   scale_embeddings=True)),  # RMSNorm (1 + w): litgpt keys it on "Gemma" in the name
+    "phi-3": ("Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+              dict(name="Phi-3-tiny", n_query_groups=4)),  # q, k, v fused in one qkv_proj, gate_up_proj too
+    "olmo-2": ("Olmo2ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               dict(name="OLMo-2-tiny", norm_qk=True, norm_qk_type="olmo2", post_attention_norm=True,
+                    post_mlp_norm=True, norm_1=False, norm_2=False)),
 }
 
 
