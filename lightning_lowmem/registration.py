@@ -41,7 +41,8 @@ def register(registry: Any) -> None:
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself: lets the usual finder find :data:`REGISTRY_MODULE`, and runs :func:`register` after it."""
 
-    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != REGISTRY_MODULE:
             return None
         sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this hook again

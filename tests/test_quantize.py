@@ -229,7 +229,8 @@ def test_weights_read_by_rows_from_every_format(tmp_path, scheme, kind, monkeypa
     real_rows, real_read = Checkpoint.read_rows, Checkpoint.read
     monkeypatch.setattr(Checkpoint, "read_rows", lambda self, key, a, b, out=None: (
         reads.append((key, a, b)), real_rows(self, key, a, b, out))[1])
-    monkeypatch.setattr(Checkpoint, "read", lambda self, key, out=None: (whole.append(key), real_read(self, key, out))[1])
+    monkeypatch.setattr(Checkpoint, "read",
+                        lambda self, key, out=None: (whole.append(key), real_read(self, key, out))[1])
 
     model, report = lit_load(path, quantize=scheme)
     whole_reads = set(whole)

@@ -49,7 +49,8 @@ import json
 {imports}
 import lightning.fabric.strategies as registry_module
 fabric = L.Fabric(strategy="lowmem", accelerator="cpu", devices=1)
-print(json.dumps({{"strategy": type(fabric.strategy).__qualname__, "same": type(fabric.strategy) is lightning_lowmem.LowMemStrategy,
+print(json.dumps({{"strategy": type(fabric.strategy).__qualname__,
+                  "same": type(fabric.strategy) is lightning_lowmem.LowMemStrategy,
                   "listed": "lowmem" in registry_module.STRATEGY_REGISTRY.available_strategies(),
                   "loader": type(registry_module.__loader__).__name__,
                   "callback": lightning_lowmem.LowMemCallback.__module__}}))

@@ -89,8 +89,9 @@ class Bnb4bit(BnbScheme):
         import bitsandbytes.functional as F
 
         if self.quant_storage != torch.uint8:  # packed pairs viewed as another dtype: quantize whole
-            return F.quantize_4bit(weight.whole().contiguous(), blocksize=self.blocksize, compress_statistics=self.double_quant,
-                                   quant_type=self.quant_type, quant_storage=self.quant_storage)
+            return F.quantize_4bit(weight.whole().contiguous(), blocksize=self.blocksize,
+                                   compress_statistics=self.double_quant, quant_type=self.quant_type,
+                                   quant_storage=self.quant_storage)
 
         def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             packed, state = F.quantize_4bit(rows, blocksize=self.blocksize, quant_type=self.quant_type)
@@ -100,8 +101,8 @@ class Bnb4bit(BnbScheme):
         packed, absmax = map_rows(weight, quantize, lengths=((n + 1) // 2, -(-n // self.blocksize)),
                                   align=self.blocksize)
         # the rest as quantize_4bit does it, on the whole weight's scales
-        common = dict(shape=torch.Size(weight.shape), dtype=weight.dtype, blocksize=self.blocksize, quant_type=self.quant_type,
-                      code=F.get_4bit_type(self.quant_type, device=weight.device))
+        common = dict(shape=torch.Size(weight.shape), dtype=weight.dtype, blocksize=self.blocksize,
+                      quant_type=self.quant_type, code=F.get_4bit_type(self.quant_type, device=weight.device))
         if not self.double_quant:
             return packed, F.QuantState(absmax=absmax, **common)
         offset = absmax.mean()
