@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.bnb import trim_after_first_forward
+from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
 from lightning_lowmem.kv_cache import cache_bytes, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt_load import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.loader import LoadReport
@@ -210,7 +210,7 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
     eos_id = getattr(tokenizer, "eos_id", None)
     if seed is not None:
         torch.manual_seed(seed)
-    trim_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
+    trim_bnb_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
     for _ in range(num_samples):
         setup_kv_cache(model, 1, total)  # the first sample allocates, the others reuse (zeroed)
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_lowmem.heap import release_free_heap
+from lightning_lowmem.heap import trim_after_first_forward
 from lightning_lowmem.quantize.chunks import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
 
@@ -81,8 +81,6 @@ class Bnb4bit(BnbScheme):
                                    compress_statistics=self.double_quant, quant_type=self.quant_type,
                                    quant_storage=self.quant_storage, module=module, bnb_quantized=True)
         module.quant_state = state
-        if weight.device.type == "cpu":
-            trim_after_first_forward(module)
 
     def _quantize(self, weight: RowSource) -> tuple[torch.Tensor, Any]:
         """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""
@@ -176,26 +174,12 @@ class BnbInt8(BnbScheme):
         module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
 
 
-def trim_after_first_forward(model: nn.Module) -> None:
-    """Give glibc's free heap back after each bitsandbytes layer's first forward (once per layer).
-
-    On a CPU with AVX512-bf16, bitsandbytes 0.50 repacks a 4-bit weight for its CPU
-    kernel in the layer's first forward (``_convert_weight_packed_for_cpu``: an int32
-    unpacked copy and three byte copies). The freed temporaries stay resident in
-    glibc's heap: pythia-1b nf4's first forward kept +447 MiB; trimmed after each
-    layer, +23 MiB, and the peak is one layer's repack (~7 bytes per weight).
-    Applies to ``model`` itself and every bitsandbytes module in it.
-    """
+def trim_bnb_after_first_forward(model: nn.Module) -> None:
+    """:func:`~lightning_lowmem.heap.trim_after_first_forward` for ``model`` and every bitsandbytes module in it,
+    wherever they were quantized (bitsandbytes 4-bit layers repack their weight in their first CPU forward)."""
     for module in model.modules():
-        if type(module).__module__.startswith("bitsandbytes") and "_lowmem_trim_hook" not in module.__dict__:
-            module.__dict__["_lowmem_trim_hook"] = module.register_forward_hook(_trim_once)
-
-
-def _trim_once(module: nn.Module, args: Any, output: Any) -> None:
-    release_free_heap()
-    handle = module.__dict__.pop("_lowmem_trim_hook", None)
-    if handle is not None:
-        handle.remove()
+        if type(module).__module__.startswith("bitsandbytes"):
+            trim_after_first_forward(module)
 
 
 def _adopt(new: nn.Module, old: nn.Linear) -> nn.Module:

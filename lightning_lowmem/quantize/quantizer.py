@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_lowmem.heap import release_free_heap
+from lightning_lowmem.heap import release_free_heap, trim_after_first_forward
 from lightning_lowmem.materialize import owner_of
 from lightning_lowmem.plan import LoadPlan
 from lightning_lowmem.quantize.chunks import RowSource
@@ -138,6 +138,8 @@ class Quantizer:
         self.scheme.load_weight(target, tensor)
         self.bytes_after += tensor_nbytes(target.weight)
         self.quantized[module_name] = self.scheme.name
+        if tensor.device.type == "cpu":  # what its first forward frees stays resident otherwise
+            trim_after_first_forward(target)
         release_free_heap(TRIM_AT)  # the previous weight and this one's temporaries: out of RSS, not only freed
         return True
 
