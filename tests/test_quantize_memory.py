@@ -130,8 +130,10 @@ def test_first_forward_gives_its_temporaries_back(checkpoint, scheme):
 
     bitsandbytes repacks 4-bit weights for its CPU kernel; int8 layers dequantize or convert theirs.
     Measured here (10 layers, a 1 x 16 batch), RSS kept after the first forward without / with the
-    hooks: bnb.nf4 65-92 / 11.5-12.9 MiB; bnb.int8 108-114 / 12.2-12.3 MiB; torchao.int8wo 30.5-31.2 /
-    11.3-11.5 MiB. The bounds: at most 24 MiB kept, and at least the smallest measured gain less a third.
+    hooks: bnb.nf4 65-92 / 11.5-12.9 MiB; bnb.int8 55-140 / 6.5-12.4 MiB; torchao.int8wo 30.5-38.8 /
+    11.3-11.6 MiB. What is kept without the hooks varies with the heap's state; with them it is at most
+    0.38x of that. The bounds: at most 24 MiB kept, and at most 0.6x of what is kept without the hooks
+    (without the hooks both runs keep about the same).
     """
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -147,4 +149,4 @@ def test_first_forward_gives_its_temporaries_back(checkpoint, scheme):
     if scheme == "bnb.nf4" and untrimmed < 32 * 2**20:
         pytest.skip(f"bitsandbytes kept only {untrimmed / 2**20:.0f} MiB here: no 4-bit repack on this CPU")
     assert trimmed <= 24 * 2**20
-    assert untrimmed - trimmed >= {"bnb.nf4": 32, "bnb.int8": 64, "torchao.int8wo": 12}[scheme] * 2**20
+    assert trimmed <= 0.6 * untrimmed
