@@ -45,6 +45,7 @@ from lightning_lowmem.loader import LoadReport
 from lightning_lowmem.materialize import init_empty
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import Combine, KeyMap
+from lightning_lowmem.registration import DESCRIPTION
 
 
 class LowMemStrategy(SingleDeviceStrategy):
@@ -217,8 +218,7 @@ class LowMemStrategy(SingleDeviceStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
-            "lowmem", cls, description="One device; build on meta, stream (and quantize) checkpoints in.",
-            override=True,
+            "lowmem", cls, description=DESCRIPTION, override=True,
         )
 
 

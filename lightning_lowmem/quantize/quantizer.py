@@ -134,7 +134,7 @@ class Quantizer:
         if module_name is None:
             return False
         target = module.get_submodule(module_name)
-        self.bytes_before += (tensor.numel if isinstance(tensor, RowSource) else tensor.numel()) * tensor.dtype.itemsize
+        self.bytes_before += tensor.nbytes
         self.scheme.load_weight(target, tensor)
         self.bytes_after += tensor_nbytes(target.weight)
         self.quantized[module_name] = self.scheme.name

@@ -40,8 +40,6 @@ class TorchaoScheme(QuantScheme):
     """
 
     package: ClassVar[str] = "torchao"
-    chunk_elements: ClassVar[int | None] = None
-    """Elements per block of rows (None: :data:`~lightning_lowmem.quantize.chunks.CHUNK_ELEMENTS`)."""
 
     def config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
@@ -78,7 +76,7 @@ class TorchaoScheme(QuantScheme):
             layout.update(cls=type(block.weight), names=names, context=context)
             return [getattr(block.weight, name) for name in names]
 
-        inner = map_rows(weight, quantize, lengths=weight.shape[0], chunk_elements=self.chunk_elements)
+        inner = map_rows(weight, quantize, lengths=weight.shape[0])
         return layout["cls"].__tensor_unflatten__(dict(zip(layout["names"], inner, strict=True)), layout["context"],
                                                   torch.Size(weight.shape), (weight.shape[1], 1))
 
