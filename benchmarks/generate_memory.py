@@ -109,7 +109,7 @@ def _record_kv_at_first_cached_forward() -> list[int]:
     """Records the KV bytes the model holds when generation starts (litgpt converts fp32 k/v in that forward)."""
     from litgpt.model import GPT
 
-    from lightning_lowmem.kv_cache import cache_bytes
+    from lightning_lowmem import cache_bytes
 
     seen: list[int] = []
     original = GPT.forward

@@ -35,7 +35,7 @@ from torch import nn
 
 import lightning_lowmem
 from lightning_lowmem import format_bytes, init_empty, layer_offload, load_checkpoint, placement_plan
-from lightning_lowmem.layers import find_blocks
+from lightning_lowmem.placement import find_blocks
 
 
 def build_reference(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:

@@ -346,7 +346,7 @@ def main() -> None:
 
 
 def _bf16_bytes(path: Path) -> int:
-    from lightning_lowmem.checkpoint import Checkpoint
+    from lightning_lowmem import Checkpoint
 
     with Checkpoint.open(path) as ckpt:
         return sum(r.nbytes for r in ckpt.records.values())

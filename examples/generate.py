@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_lowmem.generate import generate
+from lightning_lowmem import generate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

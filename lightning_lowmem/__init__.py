@@ -1,42 +1,68 @@
 """lightning_lowmem: load, quantize and run large models in the memory of the final model.
 
+The package follows the data flow; each folder imports only those above it in this list::
+
+    errors, dtypes, devices, meta, memory/   the ground: errors, dtypes, devices, meta tensors, memory accounting
+    formats/     checkpoint files: headers first, then one tensor (or block of rows) at a time
+    plan/        the load plan: which module tensor comes from which key(s), dtype, device
+    quantize/    quantization schemes, and the one rule that picks the Linears to quantize
+    placement/   budgets, layers, what a model family needs beyond its weights, offload
+    engine/      LoadOptions, one prepared load, the streaming loop, LoadReport, the estimate
+    lightning/   the Lightning faces: Fabric strategy, Trainer callback, registration
+    litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
+
 Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
 are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy
-registry loads (:mod:`lightning_lowmem.registration`).
+registry loads (:mod:`lightning_lowmem.lightning.registration`).
 """
 
 import importlib
 from typing import Any
 
-from lightning_lowmem.checkpoint import Checkpoint, CheckpointNotFoundError
-from lightning_lowmem.dtype_fallback import BF16FallbackWarning, assume_bf16_support, supports_bf16
+from lightning_lowmem.dtypes import BF16FallbackWarning, assume_bf16_support, supports_bf16
+from lightning_lowmem.engine import LoadOptions, LoadReport, MemoryEstimate, load_checkpoint, placement_plan
 from lightning_lowmem.errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
+    DeviceUnavailableError,
     KVCacheTooShortError,
     LowMemError,
-    DeviceUnavailableError,
     MemoryBudgetError,
     MetaTensorError,
     UnsafeCheckpointError,
     UnsupportedQuantizationError,
 )
-from lightning_lowmem.estimate import MemoryEstimate, estimate_memory
-from lightning_lowmem.generate import GenerateResult, GenerationMemory, generate
-from lightning_lowmem.kv_cache import CacheBytes, cache_bytes, setup_kv_cache
-from lightning_lowmem.litgpt_patch import patch_litgpt, unpatch_litgpt
-from lightning_lowmem.loader import LoadReport, load_checkpoint
-from lightning_lowmem.materialize import init_empty
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.lightning.registration import register_when_lightning_loads
+from lightning_lowmem.litgpt import (
+    GenerateResult,
+    GenerationMemory,
+    cache_bytes,
+    estimate_memory,
+    generate,
+    patch_litgpt,
+    setup_kv_cache,
+    unpatch_litgpt,
+)
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
-from lightning_lowmem.offload import Offload, dispatch, enable_offload, layer_offload, sequential_offload
-from lightning_lowmem.placement import PlacementPlan, placement_plan
+from lightning_lowmem.meta import init_empty
+from lightning_lowmem.placement import (
+    CacheBytes,
+    Offload,
+    PlacementPlan,
+    dispatch,
+    enable_offload,
+    layer_offload,
+    sequential_offload,
+)
 from lightning_lowmem.plan import Combine
-from lightning_lowmem.registration import register_when_lightning_loads
 
 register_when_lightning_loads()
 
-_LIGHTNING_CLASSES = {"LowMemStrategy": "lightning_lowmem.strategy", "LowMemCallback": "lightning_lowmem.callback"}
+_LIGHTNING_CLASSES = {"LowMemStrategy": "lightning_lowmem.lightning.strategy",
+                      "LowMemCallback": "lightning_lowmem.lightning.callback"}
 
 
 def __getattr__(name: str) -> Any:
@@ -50,6 +76,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LIGHTNING_CLASSES))
 
+
 __version__ = "0.1.0.dev0"
 
 __all__ = [
@@ -61,14 +88,15 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "Combine",
+    "DeviceUnavailableError",
     "GenerateResult",
     "GenerationMemory",
     "KVCacheTooShortError",
+    "LoadOptions",
     "LoadReport",
     "LowMemCallback",
     "LowMemError",
     "LowMemStrategy",
-    "DeviceUnavailableError",
     "MemoryBudgetError",
     "MemoryEstimate",
     "MemoryMonitor",

@@ -1,4 +1,4 @@
-"""Checks on the device a load targets, made before any file is opened."""
+"""The devices a load may target: checked before any file is opened."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def check_device_available(device: torch.device | None) -> None:
     if callable(available) and not available():
         raise DeviceUnavailableError(f"device={str(device)!r} was asked for, but {device.type} is not available "
                                      "on this machine. Load with device='cpu'.")
+
+
+def cuda_or_none(device: torch.device | str | None) -> torch.device | None:
+    """``device`` when it is a CUDA device this machine has, else None (what a memory monitor should watch).
+
+    Example::
+
+        >>> cuda_or_none("cpu") is None
+        True
+    """
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return device
+    return None

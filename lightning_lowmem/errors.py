@@ -22,6 +22,10 @@ class CheckpointFormatError(CheckpointError):
     """The file is not a checkpoint we can read, or it is truncated or incomplete."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint path, or a file it refers to, does not exist."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A pickle-based checkpoint asks to import or run code; it is never executed."""
 
@@ -51,10 +55,24 @@ class MetaTensorError(CheckpointMismatchError):
     """Parameters or buffers were left on the meta device after a load."""
 
 
-def format_names(names: Iterable[str], limit: int = 10) -> str:
-    """``'a', 'b', ... and N more`` — at most ``limit`` names, in the given order."""
+def format_names(names: Iterable[str], limit: int = 10, *, quote: bool = True, sep: str = ", ") -> str:
+    """``'a', 'b' ... and N more``: at most ``limit`` names, in the given order.
+
+    Args:
+        names: the names (or already formatted items, with ``quote=False``).
+        limit: how many to show.
+        quote: show each name as its ``repr``.
+        sep: what goes between two items.
+
+    Example::
+
+        >>> format_names(["a", "b", "c"], limit=2)
+        "'a', 'b' ... and 1 more"
+        >>> format_names(["x (why)", "y (why)"], quote=False, sep="; ")
+        'x (why); y (why)'
+    """
     names = list(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
+    shown = sep.join(repr(n) if quote else str(n) for n in names[:limit])
     if len(names) > limit:
         shown += f" ... and {len(names) - limit} more"
     return shown

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_lowmem import BF16FallbackWarning, assume_bf16_support, init_empty, load_checkpoint, supports_bf16
-from lightning_lowmem.dtype_fallback import fallback_dtype
+from lightning_lowmem.dtypes import fallback_dtype
 
 
 class Small(nn.Module):

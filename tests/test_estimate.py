@@ -22,8 +22,8 @@ from lightning_lowmem import (
     load_checkpoint,
     setup_kv_cache,
 )
-from lightning_lowmem.estimate import LOAD_RUNTIME
-from lightning_lowmem.quant_sizes import scheme_size
+from lightning_lowmem.engine import LOAD_RUNTIME
+from lightning_lowmem.quantize import make_scheme
 
 SHAPES = [(96, 64), (100, 72), (33, 130)]  # block multiples and not
 
@@ -38,7 +38,7 @@ def test_bnb_4bit_formula_equals_what_bitsandbytes_stores(scheme, shape):
     codes, state = F.quantize_4bit(weight, quant_type=scheme[4:7], blocksize=64, compress_statistics=double)
     stored = [codes, state.absmax, state.code] + ([state.state2.absmax, state.offset, state.state2.code]
                                                   if double else [])
-    assert scheme_size(scheme).nbytes(*shape) == sum(t.numel() * t.element_size() for t in stored)
+    assert make_scheme(scheme).stored_nbytes(tuple(shape)) == sum(t.numel() * t.element_size() for t in stored)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -46,7 +46,7 @@ def test_bnb_int8_formula_equals_what_bitsandbytes_stores(shape):
     import bitsandbytes.functional as F
 
     codes, row_scales, _ = F.int8_vectorwise_quant(torch.randn(shape, dtype=torch.float16))
-    assert scheme_size("bnb.int8").nbytes(*shape) == codes.numel() + row_scales.numel() * row_scales.element_size()
+    assert make_scheme("bnb.int8").stored_nbytes(tuple(shape)) == codes.numel() + row_scales.numel() * row_scales.element_size()
 
 
 @pytest.mark.parametrize("scheme", ["torchao.int8wo", "torchao.int8dq"])
@@ -57,7 +57,7 @@ def test_torchao_int8_formula_equals_what_torchao_stores(scheme):
     quantize_(linear, Int8WeightOnlyConfig() if scheme.endswith("wo") else Int8DynamicActivationInt8WeightConfig())
     inner = linear[0].weight
     names, _ = inner.__tensor_flatten__()
-    assert scheme_size(scheme).nbytes(100, 72) == sum(getattr(inner, n).numel() * getattr(inner, n).element_size()
+    assert make_scheme(scheme).stored_nbytes((100, 72)) == sum(getattr(inner, n).numel() * getattr(inner, n).element_size()
                                                        for n in names)
 
 
@@ -98,7 +98,7 @@ def test_quantized_weights_use_the_scheme_for_linear_layers_but_not_the_head():
     est = estimate_memory(config, quantize="bnb.nf4", max_seq_length=16)
     model = tiny_gpt(config)
     linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-    quantized = sum(scheme_size("bnb.nf4").nbytes(*m.weight.shape) for m in linears)
+    quantized = sum(make_scheme("bnb.nf4").stored_nbytes(tuple(m.weight.shape)) for m in linears)
     rest = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)
     assert est.quantized_weights == quantized and est.weights == quantized + rest * 2
     assert est.quantized_params == sum(m.weight.numel() for m in linears)
@@ -142,7 +142,7 @@ def test_hf_headers_through_litgpts_key_conversion(tmp_path):
 @pytest.mark.parametrize("tie", [False, True], ids=["lm_head", "tied"])
 def test_hf_fused_qkv_headers_equal_what_the_load_holds(tmp_path, tie):
     """q, k and v fused into qkv (sizes from the headers); a head the checkpoint lacks is the embedding, held once."""
-    from lightning_lowmem.generate import load_for_generation
+    from lightning_lowmem.litgpt.generation import load_for_generation
 
     _, config = write_hf_dir(tmp_path / "llama", "llama-gqa", hidden=64, tie=tie, tokenizer=False)
     _, _, report = load_for_generation(tmp_path / "llama", quantize="bnb.nf4", precision="bf16-true")

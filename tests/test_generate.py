@@ -105,7 +105,7 @@ def _hf_neox(directory: Path):
 
 
 def test_hf_safetensors_directory_through_litgpts_key_conversion(tmp_path):
-    from lightning_lowmem.generate import load_for_generation
+    from lightning_lowmem.litgpt.generation import load_for_generation
 
     directory = tmp_path / "neox"
     hf = _hf_neox(directory)

@@ -8,7 +8,7 @@ from gen_helpers import litgpt_converted, tiny_config, write_hf_dir
 from safetensors.torch import load_file, save_file
 
 from lightning_lowmem import Checkpoint, CheckpointFormatError, CheckpointMismatchError, generate
-from lightning_lowmem.generate import load_for_generation
+from lightning_lowmem.litgpt.generation import load_for_generation
 from lightning_lowmem.quantize import schemes_available_on
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8]])

@@ -7,7 +7,7 @@ import torch
 from gen_helpers import kv_formula, tiny_config, write_litgpt_dir
 
 from lightning_lowmem import KVCacheTooShortError, cache_bytes, patch_litgpt, unpatch_litgpt
-from lightning_lowmem.litgpt_patch import is_litgpt_patched
+from lightning_lowmem.litgpt.patch import is_litgpt_patched
 
 PROMPT = "t5 t17 t3 t99 t42"  # 5 tokens
 
@@ -58,7 +58,7 @@ def test_unpatched_api_allocates_fp32_kv_and_full_context_rope(checkpoint_dir):
 
 def _record_caches_at_first_forward(llm):
     """What the caches hold when generation starts (litgpt converts fp32 k/v in the first forward)."""
-    from lightning_lowmem.kv_cache import unwrap_model
+    from lightning_lowmem.litgpt.kv_cache import unwrap_model
 
     seen = []
     unwrap_model(llm.model).register_forward_pre_hook(lambda m, args: seen.append(cache_bytes(m)) if not seen else None)

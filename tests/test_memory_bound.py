@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     from litgpt import GPT
     from conftest import tiny_litgpt_config
     from lightning_lowmem import MemoryMonitor, init_empty, load_checkpoint
-    from lightning_lowmem.checkpoint import Checkpoint
+    from lightning_lowmem import Checkpoint
     method, path, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     cfg = tiny_litgpt_config(**config)
     if method == "lowmem":

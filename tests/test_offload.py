@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem import dispatch, enable_offload, layer_offload, placement_plan, sequential_offload
-from lightning_lowmem.offload import offloaded
+from lightning_lowmem.placement import offloaded
 
 litgpt = pytest.importorskip("litgpt")
 
@@ -238,7 +238,7 @@ def test_trainer_model_to_device_leaves_the_offloaded_layers_on_the_host():
     """
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    from lightning_lowmem.callback import _keep_offloaded_on_host
+    from lightning_lowmem.lightning.callback import _keep_offloaded_on_host
 
     offloaded_names = ("transformer.h.1.", "transformer.h.2.")
     for guarded in (False, True):

@@ -19,8 +19,8 @@ from lightning_lowmem import (
     load_checkpoint,
     placement_plan,
 )
-from lightning_lowmem.layers import quantized_nbytes
 from lightning_lowmem.placement import parse_max_memory
+from lightning_lowmem.quantize import make_scheme
 
 litgpt = pytest.importorskip("litgpt")
 
@@ -75,7 +75,8 @@ def test_tied_modules_form_one_layer():
 def test_overflow_goes_to_cpu_and_every_device_stays_within_budget():
     model = meta_gpt(n_layer=6)
     total = model_bytes(model)
-    budget = total // 2
+    roomy = placement_plan(model, None, {"cuda:0": "1GiB", "cpu": "1GiB"}, context=32)
+    budget = roomy.cache_bytes + roomy.activation_bytes + total // 2
     plan = placement_plan(model, None, {"cuda:0": budget, "cpu": "1GiB"}, context=32)
     weights, used = plan.weights_per_device(), plan.used_per_device()
     assert weights["cpu"] > 0 and weights["cuda:0"] > 0
@@ -86,13 +87,13 @@ def test_overflow_goes_to_cpu_and_every_device_stays_within_budget():
     assert plan.stream_bytes >= max(layer.nbytes for layer in plan.offloaded)
 
 
-def test_kv_cache_reservation_follows_the_litgpt_formula():
-    model = meta_gpt()
-    cfg = model.config
-    plan = placement_plan(model, None, {"cuda:0": "1GiB", "cpu": "1GiB"}, context=48, batch_size=2,
+def test_kv_cache_reservation_is_what_setup_kv_cache_allocates():
+    from lightning_lowmem import setup_kv_cache
+
+    plan = placement_plan(meta_gpt(), None, {"cuda:0": "1GiB", "cpu": "1GiB"}, context=48, batch_size=2,
                           dtype=torch.bfloat16)
-    kv = 2 * cfg.n_layer * 2 * cfg.n_query_groups * 48 * cfg.head_size * 2
-    assert plan.cache_bytes == kv + 48 * 48 + 2 * 48 * cfg.rope_n_elem * 4
+    model = litgpt.GPT(tiny_config()).to(torch.bfloat16)
+    assert plan.cache_bytes == setup_kv_cache(model, 2, 48) > 0
 
 
 _MODEL_6 = meta_gpt(n_layer=6)
@@ -152,9 +153,9 @@ def test_quantized_bytes_match_bitsandbytes_storage():
             stored = codes.nbytes + state.absmax.nbytes + state.code.nbytes  # the code table is per weight
             if double:  # uint8 absmax, their own fp32 absmax and code table, and an fp32 offset
                 stored += state.state2.absmax.nbytes + state.state2.code.nbytes + 4
-            assert quantized_nbytes(f"bnb.{quant_type}" + ("-dq" if double else ""), 96, 160) == stored
+            assert make_scheme(f"bnb.{quant_type}" + ("-dq" if double else "")).stored_nbytes((96, 160)) == stored
     codes, scales, _ = bnb.functional.int8_vectorwise_quant(w)
-    assert quantized_nbytes("bnb.int8", 96, 160) == codes.nbytes + scales.nbytes
+    assert make_scheme("bnb.int8").stored_nbytes((96, 160)) == codes.nbytes + scales.nbytes
 
 
 def test_quantized_plan_counts_linear_weights_at_the_scheme_size_and_skips_the_head():
@@ -165,11 +166,11 @@ def test_quantized_plan_counts_linear_weights_at_the_scheme_size_and_skips_the_h
     assert by_name["lm_head"] == {layer.name: layer.nbytes for layer in full.layers}["lm_head"]
     block = model.transformer.h[0]
     linears = [m for m in block.modules() if type(m) is nn.Linear]
-    expected = sum(quantized_nbytes("bnb.int8", m.out_features, m.in_features) for m in linears)
+    expected = sum(make_scheme("bnb.int8").stored_nbytes((m.out_features, m.in_features)) for m in linears)
     expected += sum(t.numel() * 2 for n, t in block.state_dict().items()
                     if not any(n == f"{name}.weight" for name, m in block.named_modules() if type(m) is nn.Linear))
     assert by_name["transformer.h.0"] == expected
-    with pytest.raises(UnsupportedQuantizationError, match="Unknown quantization scheme 'bnb.int3'; known: bnb.nf4"):
+    with pytest.raises(UnsupportedQuantizationError, match=r"Unknown quantization scheme 'bnb\.int3'\. Known schemes: 'bnb\.nf4'"):
         placement_plan(model, None, {"cpu": "1GiB"}, quantize="bnb.int3")
 
 
@@ -184,10 +185,11 @@ def test_plan_is_printable_with_devices_layers_and_bytes():
 
 
 def test_max_memory_spellings():
-    budgets, execution, offload = parse_max_memory({"cpu": "2GiB", 0: "1GiB"})
-    assert list(budgets) == ["cuda:0", "cpu"] and budgets["cuda:0"] == 2**30
-    assert (execution, offload) == ("cuda:0", "cpu")
-    assert parse_max_memory({"cpu": 100}) == ({"cpu": 100}, "cpu", None)
+    parsed = parse_max_memory({"cpu": "2GiB", 0: "1GiB"})
+    assert list(parsed.bytes) == ["cuda:0", "cpu"] and parsed.bytes["cuda:0"] == 2**30
+    assert (parsed.execution_device, parsed.offload_device) == ("cuda:0", "cpu")
+    parsed = parse_max_memory({"cpu": 100})
+    assert (parsed.bytes, parsed.execution_device, parsed.offload_device) == ({"cpu": 100}, "cpu", None)
     with pytest.raises(ValueError, match="accelerators"):
         parse_max_memory({"cuda:0": "1GiB", "cuda:1": "1GiB"})
 
@@ -197,7 +199,8 @@ def test_plan_from_checkpoint_headers_equals_plan_from_the_module(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file(source.state_dict(), path)
     model = meta_gpt()
-    budget = {"cuda:0": model_bytes(model) // 2, "cpu": "1GiB"}
+    roomy = placement_plan(model, None, {"cuda:0": "1GiB", "cpu": "1GiB"}, context=16)
+    budget = {"cuda:0": roomy.cache_bytes + roomy.activation_bytes + model_bytes(model) // 2, "cpu": "1GiB"}
     from_file = placement_plan(model, path, budget, context=16)
     from_module = placement_plan(model, None, budget, context=16)
     assert [(x.name, x.nbytes, x.device) for x in from_file.layers] == \

@@ -16,15 +16,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import lightning_lowmem.quantize.chunks as chunks
+import lightning_lowmem.quantize.rows as chunks
 from lightning_lowmem import Checkpoint, CheckpointFormatError, DeviceUnavailableError, UnsupportedQuantizationError, init_empty, load_checkpoint
+from lightning_lowmem.engine import LoadOptions
 from lightning_lowmem.plan import make_plan
 from lightning_lowmem.quantize import (
     SCHEMES,
     BnbInt8,
     BnbNF4,
     QuantScheme,
-    QuantizeSpec,
+    select_linears,
     TorchaoInt4WeightOnly,
     module_nbytes,
     prepare_quantization,
@@ -365,12 +366,12 @@ def test_unknown_scheme_fails_before_any_io(tmp_path):
     with pytest.raises(UnsupportedQuantizationError, match=r"Unknown quantization scheme 'bnb\.nf5'.*'bnb\.nf4'"):
         load_checkpoint(model, tmp_path / "does-not-exist.safetensors", quantize="bnb.nf5")
     with pytest.raises(ValueError):  # UnsupportedQuantizationError is a ValueError too
-        QuantizeSpec.parse("int4", None)
+        LoadOptions(quantize="int4")
     with pytest.raises(TypeError, match="quantize must be"):
-        QuantizeSpec.parse(4, None)
+        LoadOptions(quantize=4)
     with pytest.raises(TypeError, match="skip_quantize"):
-        QuantizeSpec.parse("bnb.nf4", [3])
-    assert QuantizeSpec.parse("bnb.nf4", "lm_head").skip == ("lm_head",)
+        LoadOptions(quantize="bnb.nf4", skip_quantize=[3])
+    assert LoadOptions(quantize="bnb.nf4", skip_quantize="lm_head").skip_quantize == ("lm_head",)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mslk") is not None, reason="mslk is installed: int4 runs on CPU")
@@ -397,8 +398,9 @@ def test_cuda_scheme_without_cuda_names_the_device(lit_checkpoint):
         model = litgpt.GPT(litgpt.Config(**LIT_CONFIG))
     with Checkpoint.open(lit_checkpoint) as ckpt:
         plan = make_plan(model, ckpt.records, dtype=torch.bfloat16, device=torch.device("cuda"))
+    selection = select_linears(model, plan, BnbInt8(), None)
     with pytest.raises(UnsupportedQuantizationError, match=r"'bnb\.int8' cannot run on device 'cuda'.*CUDA is not"):
-        prepare_quantization(model, QuantizeSpec.parse("bnb.int8", None), plan, torch.device("cuda"))
+        prepare_quantization(model, selection, plan, torch.device("cuda"))
     assert type(model.transformer.h[0].mlp.fc) is nn.Linear
 
 

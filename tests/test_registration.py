@@ -56,7 +56,7 @@ print(json.dumps({{"strategy": type(fabric.strategy).__qualname__,
                   "callback": lightning_lowmem.LowMemCallback.__module__}}))
 """)
     assert got == {"strategy": "LowMemStrategy", "same": True, "listed": True, "loader": "SourceFileLoader",
-                   "callback": "lightning_lowmem.callback"}
+                   "callback": "lightning_lowmem.lightning.callback"}
 
 
 def test_unknown_attribute_is_an_attribute_error():

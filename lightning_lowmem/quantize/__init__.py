@@ -1,33 +1,37 @@
-"""Quantize on load: each ``nn.Linear`` weight is quantized the moment it is read.
+"""Quantization schemes: each ``nn.Linear`` weight quantized the moment it is read.
 
-The loader calls :meth:`QuantizeSpec.parse` before any I/O, :func:`prepare_quantization`
-after the plan and before reading weights, and :meth:`Quantizer.load` for every tensor read.
-Schemes live in one file per library (``bnb.py``, ``torchao.py``) and register themselves
-in :data:`SCHEMES` by name.
+``schemes`` holds the base class and the registry (a scheme also knows its own sizes),
+``bnb`` and ``torchao`` one file per library, ``selection`` the one rule that picks the
+Linears (marking the load plan), ``rows`` quantizing a block of rows at a time,
+``quantizer`` the loader's side, ``nbytes`` what a quantized tensor really holds.
 
 Example::
 
-    >>> from lightning_lowmem import init_empty, load_checkpoint  # doctest: +SKIP
+    >>> import tempfile, torch, safetensors.torch
+    >>> from lightning_lowmem import init_empty, load_checkpoint
+    >>> path = tempfile.mkdtemp() + "/model.safetensors"
+    >>> safetensors.torch.save_file({"0.weight": torch.randn(256, 256), "0.bias": torch.zeros(256)}, path)
     >>> with init_empty():
-    ...     model = GPT(Config.from_name("pythia-1b"))
-    >>> report = load_checkpoint(model, "model.safetensors", dtype=torch.bfloat16, quantize="bnb.nf4")
-    >>> report.quantized_bytes_after / report.quantized_bytes_before
-    0.28...
+    ...     model = torch.nn.Sequential(torch.nn.Linear(256, 256))
+    >>> report = load_checkpoint(model, path, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
+    >>> report.quantized, round(report.quantized_bytes_after / report.quantized_bytes_before, 2)
+    ({'0': 'bnb.nf4'}, 0.28)
 """
 
 from lightning_lowmem.quantize import bnb, torchao  # noqa: F401  (register the schemes)
 from lightning_lowmem.quantize.bnb import BnbFP4, BnbFP4DQ, BnbInt8, BnbNF4, BnbNF4DQ
 from lightning_lowmem.quantize.nbytes import module_nbytes, tensor_nbytes
-from lightning_lowmem.quantize.quantizer import Quantizer, QuantizeSpec, prepare_quantization
+from lightning_lowmem.quantize.quantizer import Quantizer, prepare_quantization
 from lightning_lowmem.quantize.schemes import (
     SCHEMES,
     QuantScheme,
     check_available,
     make_scheme,
+    parse_scheme,
     register_scheme,
     schemes_available_on,
 )
-from lightning_lowmem.quantize.selection import DEFAULT_SKIP
+from lightning_lowmem.quantize.selection import DEFAULT_SKIP, Selection, parse_skip, select_linears
 from lightning_lowmem.quantize.torchao import TorchaoInt4WeightOnly, TorchaoInt8Dynamic, TorchaoInt8WeightOnly
 
 __all__ = [
@@ -39,16 +43,19 @@ __all__ = [
     "BnbNF4",
     "BnbNF4DQ",
     "QuantScheme",
-    "QuantizeSpec",
     "Quantizer",
+    "Selection",
     "TorchaoInt4WeightOnly",
     "TorchaoInt8Dynamic",
     "TorchaoInt8WeightOnly",
     "check_available",
     "make_scheme",
     "module_nbytes",
+    "parse_scheme",
+    "parse_skip",
     "prepare_quantization",
     "register_scheme",
+    "select_linears",
     "schemes_available_on",
     "tensor_nbytes",
 ]

@@ -5,16 +5,43 @@ A scheme is a frozen dataclass, validated in ``__post_init__``, that knows
 * whether its kernels exist on a device (:meth:`QuantScheme.unavailable_reason`),
 * whether it can take a given ``nn.Linear`` (:meth:`QuantScheme.layer_reason`),
 * which module stands in for that Linear on the meta device (:meth:`QuantScheme.replace`),
-* how to quantize a full-precision weight into that module (:meth:`QuantScheme.load_weight`).
+* how to quantize a full-precision weight into that module (:meth:`QuantScheme.load_weight`),
+* its sizes: the bytes it stores for a weight (:meth:`QuantScheme.stored_nbytes`), what quantizing
+  holds meanwhile (:attr:`~QuantScheme.transient`), what its library costs to import and first call
+  (:attr:`~QuantScheme.library_bytes`) and what its largest layer holds in a first forward
+  (:attr:`~QuantScheme.first_forward`). The loader, the placement plan and the estimate all ask
+  the scheme object, so ``BnbNF4(blocksize=128)`` is counted with its own block size.
+
+Bytes stored for an ``(out_features, in_features)`` weight of ``n`` elements:
+
+============================  =========================================================  ===========
+scheme                        bytes                                                      ~ per param
+============================  =========================================================  ===========
+``bnb.nf4`` / ``bnb.fp4``     ``ceil(n/2)`` 4-bit codes + fp32 absmax per 64-block        0.5625
+                              (``4 * ceil(n/64)``) + the 16-value fp32 code table (64)
+``bnb.nf4-dq``/``bnb.fp4-dq`` ``ceil(n/2)`` + uint8 absmax per 64-block (``ceil(n/64)``)  0.5159
+                              + fp32 absmax of those per 256 (``4 * ceil(ceil(n/64)/256)``)
+                              + fp32 offset (4) + code tables (64 + 1024)
+``bnb.int8``                  int8 ``n`` + fp32 scale per row (``4 * out``)                1 + 4/in
+``torchao.int8wo``/``int8dq`` int8 ``n`` + fp32 scale + int8 zero point per row            1 + 5/in
+                              (``5 * out``)
+``torchao.int4wo``            ``ceil(n/2)`` + bf16 scale and zero per 128-group            0.53125
+                              (``4 * ceil(n/128)``)
+============================  =========================================================  ===========
+
+Every row but ``torchao.int4wo`` (whose kernels need CUDA here) is checked against what the
+library stores on CPU (bitsandbytes 0.50.2, torchao 0.18) by the tests.
 
 :func:`register_scheme` files a class under its spelling in :data:`SCHEMES`; adding
 a scheme is adding a class (see ``bnb.py`` and ``torchao.py`` next to this file).
 
 Example::
 
-    >>> from lightning_lowmem.quantize import SCHEMES
+    >>> from lightning_lowmem.quantize import SCHEMES, BnbNF4
     >>> sorted(SCHEMES)[:2]
     ['bnb.fp4', 'bnb.fp4-dq']
+    >>> BnbNF4().stored_nbytes((4096, 4096)), BnbNF4(blocksize=128).stored_nbytes((4096, 4096))
+    (9437248, 8912960)
 """
 
 from __future__ import annotations
@@ -27,8 +54,8 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import nn
 
-from lightning_lowmem.errors import UnsupportedQuantizationError
-from lightning_lowmem.quantize.chunks import RowSource
+from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
+from lightning_lowmem.quantize.rows import RowSource
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
@@ -42,8 +69,20 @@ class QuantScheme:
     package: ClassVar[str] = ""
     """The pip package whose kernels the scheme uses."""
     by_rows: ClassVar[bool] = False
-    """Whether :meth:`load_weight` also takes a :class:`~lightning_lowmem.quantize.chunks.RowSource`: the loader
+    """Whether :meth:`load_weight` also takes a :class:`~lightning_lowmem.quantize.rows.RowSource`: the loader
     then reads the weight a block of rows at a time, and the whole full-precision weight never exists."""
+    transient: ClassVar[float] = 0.0
+    """Bytes per element quantized at once (one block of rows, or the whole weight) that quantizing holds
+    beyond its input and its result (measured on CPU, see the scheme's module)."""
+    library_bytes: ClassVar[int] = 0
+    """What importing the scheme's library and its first kernel call add to the process (CPU, measured)."""
+    first_forward: ClassVar[float] = 2.0
+    """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
+    assumed where not measured)."""
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
+        raise NotImplementedError
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the scheme cannot run on ``device`` (a missing package or kernel), or None when it can."""
@@ -85,10 +124,13 @@ def register_scheme(name: str) -> Callable[[SchemeT], SchemeT]:
 
     Example::
 
-        >>> @register_scheme("mylib.int8")  # doctest: +SKIP
+        >>> @register_scheme("mylib.int8")
         ... @dataclass(frozen=True)
         ... class MyInt8(QuantScheme):
         ...     package: ClassVar[str] = "mylib"
+        >>> make_scheme("mylib.int8")
+        MyInt8()
+        >>> del SCHEMES["mylib.int8"]  # only so that this example leaves the registry as it found it
     """
 
     def decorate(cls: SchemeT) -> SchemeT:
@@ -110,10 +152,30 @@ def make_scheme(name: str) -> QuantScheme:
     cls = SCHEMES.get(name)
     if cls is None:
         raise UnsupportedQuantizationError(
-            f"Unknown quantization scheme {name!r}. Known schemes: {', '.join(repr(n) for n in SCHEMES)}. "
+            f"Unknown quantization scheme {name!r}. Known schemes: {format_names(SCHEMES, limit=len(SCHEMES))}. "
             "Pass one of these as quantize=, or None to load in full precision."
         )
     return cls()
+
+
+def parse_scheme(quantize: str | QuantScheme | None) -> QuantScheme | None:
+    """``quantize=`` as a scheme object: a registered spelling, a scheme instance, or None.
+
+    Raises:
+        UnsupportedQuantizationError: no scheme has that name.
+        TypeError: neither a name nor a scheme.
+
+    Example::
+
+        >>> parse_scheme("bnb.nf4")
+        BnbNF4(quant_type='nf4', double_quant=False, blocksize=64, quant_storage=torch.uint8)
+    """
+    if quantize is None or isinstance(quantize, QuantScheme):
+        return quantize
+    if isinstance(quantize, str):
+        return make_scheme(quantize)
+    raise TypeError(f"quantize must be a scheme name such as 'bnb.nf4' or a QuantScheme, "
+                    f"got {type(quantize).__name__}: {quantize!r}.")
 
 
 def schemes_available_on(device: torch.device) -> list[str]:
@@ -131,7 +193,7 @@ def check_available(scheme: QuantScheme, device: torch.device) -> None:
     if reason is None:
         return
     working = schemes_available_on(device)
-    others = ", ".join(repr(n) for n in working) if working else "none"
+    others = format_names(working, limit=len(working)) if working else "none"
     raise UnsupportedQuantizationError(
         f"Quantization scheme {scheme.name!r} cannot run on device {str(device)!r}: {reason}. "
         f"Schemes that work on {str(device)!r} here: {others}. "

@@ -1,25 +1,30 @@
-"""Which ``nn.Linear`` modules a load quantizes, and why the others stay in full precision.
+"""The one rule that decides which ``nn.Linear`` a load quantizes, written onto the load plan.
 
-Only modules whose type is exactly ``nn.Linear`` are candidates: subclasses
-(LoRA layers, already-quantized layers, ``nn.MultiheadAttention``'s
-``NonDynamicallyQuantizableLinear``) may have their own forward. A candidate
-stays in full precision when
+:func:`select_linears` runs once per plan; the loader quantizes exactly the
+targets it marks (``Target.scheme``), and the placement plan and the memory
+estimate count exactly those at the scheme's size. Only modules whose type is
+exactly ``nn.Linear`` are candidates: subclasses (LoRA layers, already-quantized
+layers, ``nn.MultiheadAttention``'s ``NonDynamicallyQuantizableLinear``) may have
+their own forward. A candidate stays in full precision when
 
 * its name matches a ``skip_quantize`` glob (default: ``lm_head`` and the
   model's output embeddings, as transformers does),
 * its weight is tied to another tensor (an input embedding): quantizing it
   would break the tie,
-* its weight is not in the checkpoint, or the scheme cannot take it.
+* its weight is not in the checkpoint, or the scheme cannot take it
+  (:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.layer_reason`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_lowmem.errors import format_names
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.schemes import QuantScheme
 
@@ -32,17 +37,39 @@ class Selection:
     """The outcome of :func:`select_linears`.
 
     Attributes:
+        scheme: the scheme the chosen Linears are quantized with.
         chosen: module name -> name of its weight in the plan, for each Linear to quantize.
         left_out: module name -> why that Linear stays in full precision.
     """
 
+    scheme: QuantScheme
     chosen: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
 
 
+def parse_skip(skip_quantize: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """``skip_quantize=`` as a tuple of module-name globs: one string is one pattern; None stays None (default).
+
+    Example::
+
+        >>> parse_skip("lm_head")
+        ('lm_head',)
+        >>> parse_skip(["lm_head", "transformer.h.0.*"])
+        ('lm_head', 'transformer.h.0.*')
+    """
+    if skip_quantize is None:
+        return None
+    patterns = (skip_quantize,) if isinstance(skip_quantize, str) else tuple(skip_quantize)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise TypeError(f"skip_quantize must be module-name globs (str), got {bad!r}.")
+    return patterns
+
+
 def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
                    skip: tuple[str, ...] | None) -> Selection:
-    """Pick the Linears of ``module`` that ``scheme`` quantizes during the load of ``plan``.
+    """Pick the Linears of ``module`` that ``scheme`` quantizes during the load of ``plan``, and mark their
+    weights' targets with the scheme.
 
     Args:
         module: the module being loaded (usually built on meta).
@@ -55,7 +82,7 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
     uses = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
     output_head = _output_embeddings(module) if skip is None else None
     patterns = DEFAULT_SKIP if skip is None else skip
-    selection = Selection()
+    selection = Selection(scheme)
     for name, mod in module.named_modules():
         if type(mod) is not nn.Linear:
             continue
@@ -65,6 +92,7 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
                          is_output_head=mod is output_head)
         if reason is None:
             selection.chosen[name] = weight_name
+            target.scheme = scheme
         else:
             selection.left_out[name] = reason
     return selection
@@ -84,7 +112,7 @@ def _reason(name: str, mod: nn.Linear, target: Target | None, patterns: tuple[st
         return "its weight is not loaded from the checkpoint"
     if len(target.names) > 1:
         others = [n for n in target.names if n != f"{name}.weight"]
-        return f"its weight is tied to {', '.join(others)}"
+        return f"its weight is tied to {format_names(others, quote=False)}"
     if shared:
         return "the module is used under several names"
     return scheme.layer_reason(mod, target.dtype)

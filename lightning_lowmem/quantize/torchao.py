@@ -16,18 +16,24 @@ elements, + 156 MiB and 10.4-11.7 s whole (blocks of 2 Mi: + 134-172 MiB, 9.1-9.
 ``tile_packed_to_4d`` layout (the tinygemm kernel shipped in PyTorch, compute
 capability >= 8.0), elsewhere with the ``plain`` layout, whose kernels come from
 the separate ``mslk`` package (torchao 0.18).
+
+Sizes, measured on CPU in a fresh process (torchao 0.18): ``quantize_`` on one 512 Ki-element
+bf16 block holds 11-12 bytes per element (int8wo, int8dq); importing torchao costs 11.8 MiB and
+its first call 13.6 MiB. int4's transient (7 bytes per element of the whole weight) is not
+measured here (no CPU kernel).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.chunks import RowSource, map_rows
+from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
 
 
@@ -40,6 +46,8 @@ class TorchaoScheme(QuantScheme):
     """
 
     package: ClassVar[str] = "torchao"
+    transient: ClassVar[float] = 12.0
+    library_bytes: ClassVar[int] = 25 * 2**20
 
     def config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
@@ -88,6 +96,10 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
 
     by_rows: ClassVar[bool] = True
 
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """int8 codes, and an fp32 scale and an int8 zero point per output row."""
+        return math.prod(shape) + 5 * shape[0]
+
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
 
@@ -100,6 +112,10 @@ class TorchaoInt8Dynamic(TorchaoScheme):
     """int8 weights (per row) and activations quantized to int8 per token at run time."""
 
     by_rows: ClassVar[bool] = True
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """int8 codes, and an fp32 scale and an int8 zero point per output row."""
+        return math.prod(shape) + 5 * shape[0]
 
     def config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
@@ -119,10 +135,17 @@ class TorchaoInt4WeightOnly(TorchaoScheme):
 
     group_size: int = 128
     mslk_min_version: ClassVar[str] = "1.0.0"
+    transient: ClassVar[float] = 7.0
 
     def __post_init__(self) -> None:
         if self.group_size not in (32, 64, 128, 256):
             raise ValueError(f"group_size must be one of 32, 64, 128, 256, got {self.group_size!r}.")
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """Packed 4-bit pairs, and a bf16 scale and zero point per group (torchao's ``Int4WeightOnlyConfig``
+        layout; not measured here: no CPU kernel)."""
+        n = math.prod(shape)
+        return math.ceil(n / 2) + 4 * math.ceil(n / self.group_size)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         reason = super().unavailable_reason(device)

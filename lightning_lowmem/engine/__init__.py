@@ -1,0 +1,31 @@
+"""The engine: one options object, one plan per load, the streaming loop and its report.
+
+``options`` validates what a caller asks for once; ``prepare`` decides the load from
+headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
+each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
+``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
+decision to say what a load and a generation will need. Every face (Lightning,
+litgpt, the command line) goes through here.
+"""
+
+from lightning_lowmem.engine.estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared
+from lightning_lowmem.engine.load import load_checkpoint, load_prepared, run_load
+from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load
+from lightning_lowmem.engine.report import LoadReport
+
+__all__ = [
+    "CPU_RUNTIME",
+    "LOAD_RUNTIME",
+    "LoadOptions",
+    "LoadReport",
+    "MemoryEstimate",
+    "PreparedLoad",
+    "estimate_prepared",
+    "load_checkpoint",
+    "load_prepared",
+    "opened",
+    "placement_plan",
+    "prepare_load",
+    "run_load",
+]

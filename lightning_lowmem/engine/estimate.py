@@ -1,0 +1,155 @@
+"""What a load and a generation will need, read off a prepared load before anything is allocated.
+
+::
+
+    weights        every target's bytes once loaded (``Target.final_nbytes``): the target dtype,
+                   quantized exactly where the load quantizes (the scheme's own size)
+    KV cache       the model architecture's caches for batch x max_seq_length positions
+    mask, RoPE     (litgpt's own builders for litgpt's GPT; see ``placement.architectures``)
+    activations    the architecture's activations for a prefill of the prompt
+    first forward  the largest quantized Linear's first forward (``QuantScheme.first_forward``)
+    runtime        what the first forward costs beyond its tensors: 24 MiB measured on
+                   CPU (torch 2.13: oneDNN/MKL state, allocator arenas kept after the
+                   prefill), independent of the model size; ``runtime=`` overrides it
+    library        importing the quantization library and its first kernel call
+                   (``QuantScheme.library_bytes``)
+    load transient the largest extra bytes one tensor holds while it is streamed in:
+                   the tensor as read when it is cast; for weights read, cast and
+                   quantized a block of rows at a time (bitsandbytes, torchao int8) one
+                   block as read, cast and quantized (``QuantScheme.transient``: bytes per
+                   element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
+                   a scheme that quantizes whole weights, the cast weight + what quantizing it
+                   holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
+                   qkv) adds itself and its parts; plus 6 MiB measured for the load itself
+    peak           weights + library + max(load transient, caches + activations
+                   + first forward + runtime)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_lowmem.engine.prepare import PreparedLoad
+from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.placement import PlacementPlan, architecture_of
+from lightning_lowmem.plan import Target
+from lightning_lowmem.quantize.quantizer import TRIM_AT
+from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
+
+LOAD_RUNTIME = 6 * 2**20  # measured: load_checkpoint beyond weights + one tensor (plan, Python objects, buffers)
+CPU_RUNTIME = 24 * 2**20  # measured: generate() on 1- and 4-layer models and pythia-1b, beyond weights + caches
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a load and a generation need. Every size is in bytes; :meth:`__str__` is a table."""
+
+    model: str
+    quantize: str | None
+    dtype: torch.dtype
+    batch_size: int
+    max_seq_length: int
+    prompt_length: int
+    params: int = 0
+    quantized_params: int = 0
+    weights: int = 0
+    quantized_weights: int = 0
+    kv_cache: int = 0
+    mask: int = 0
+    rope: int = 0
+    activations: int = 0
+    dequantized: int = 0
+    runtime: int = 0
+    library: int = 0
+    load_transient: int = 0
+    notes: list[str] = field(default_factory=list)
+    placement: PlacementPlan | None = None
+
+    @property
+    def caches(self) -> int:
+        return self.kv_cache + self.mask + self.rope
+
+    @property
+    def load_peak(self) -> int:
+        return self.weights + self.library + self.load_transient
+
+    @property
+    def generate_peak(self) -> int:
+        return self.weights + self.library + self.caches + self.activations + self.dequantized + self.runtime
+
+    @property
+    def peak(self) -> int:
+        return max(self.load_peak, self.generate_peak)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """``(label, bytes)`` for each line of the table."""
+        quant = f", {self.quantized_params / 1e6:.1f}M params {self.quantize}" if self.quantize else ""
+        return [(f"weights ({self.params / 1e6:.1f}M params{quant})", self.weights),
+                (f"KV cache ({self.batch_size} x {self.max_seq_length} positions)", self.kv_cache),
+                ("mask", self.mask), ("RoPE", self.rope),
+                (f"activations (prefill of {self.prompt_length} tokens, approx.)", self.activations),
+                ("first forward of the largest quantized Linear", self.dequantized),
+                ("runtime (first forward: kernels, allocator)", self.runtime),
+                (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
+                ("load transient (largest tensor in flight + load)", self.load_transient),
+                ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
+                ("peak", self.peak)]
+
+    def __str__(self) -> str:
+        head = f"Memory estimate: {self.model}, {self.quantize or 'not quantized'}, {str(self.dtype).split('.')[-1]}"
+        rows = self.rows()
+        width = max(len(label) for label, _ in rows)
+        lines = [head] + [f"  {label:<{width}}  {format_bytes(n):>12}" for label, n in rows]
+        placement = [str(self.placement)] if self.placement is not None else []
+        return "\n".join(lines + [f"  note: {note}" for note in self.notes] + placement)
+
+
+def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype, batch_size: int,
+                      max_seq_length: int, prompt_length: int, runtime: int = CPU_RUNTIME,
+                      with_caches: bool = True) -> MemoryEstimate:
+    """The estimate of ``prepared``: weights and load transient from its plan, caches and activations from
+    the module's architecture (``with_caches``), the placement it carries.
+    """
+    scheme = prepared.options.scheme
+    est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
+                         batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
+                         runtime=runtime, placement=prepared.placement)
+    for target in prepared.plan.targets:
+        _add_target(est, target)
+    est.load_transient += LOAD_RUNTIME
+    est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
+    if prepared.plan.missing:
+        est.notes.append(f"{len(prepared.plan.missing)} module tensors are not in the checkpoint")
+    if with_caches:
+        architecture = architecture_of(prepared.module)
+        caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype)
+        est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
+        est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype)
+    return est
+
+
+def _add_target(est: MemoryEstimate, target: Target) -> None:
+    """Count ``target``'s bytes, and the transient of streaming it in."""
+    numel = target.record.numel
+    read_itemsize, cast = target.record.dtype.itemsize, target.cast_nbytes
+    read = numel * read_itemsize if target.record.dtype != target.dtype else 0  # as read, beside its cast copy
+    parts = sum(p.nbytes for p in target.parts)  # the parts of a combined tensor are held while it is built
+    est.params += numel
+    est.weights += target.final_nbytes
+    scheme = target.scheme
+    if scheme is None:
+        est.load_transient = max(est.load_transient, read + parts)
+        return
+    est.quantized_params += numel
+    est.quantized_weights += target.final_nbytes
+    est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
+    if scheme.by_rows:  # blocks of rows, each read, cast and quantized on its own
+        block = min(numel, CHUNK_ELEMENTS)
+        whole = read + cast + parts if parts else 0  # a tensor combined from parts is built whole first
+        per_element = read_itemsize + target.dtype.itemsize + scheme.transient
+        transient = whole + int(block * per_element) + TRIM_AT
+    else:
+        transient = max(read + cast + parts, cast + int(scheme.transient * numel))
+    est.load_transient = max(est.load_transient, transient)

@@ -1,0 +1,172 @@
+"""``load_checkpoint``: open the checkpoint once, decide the load from its headers, stream it in, finish.
+
+::
+
+    Checkpoint.open (headers) -> prepare_load (plan, quantization, placement)
+        -> stream (one tensor at a time) -> buffers and checks -> LoadReport
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_lowmem.devices import check_device_available, cuda_or_none
+from lightning_lowmem.dtypes import supports_bf16
+from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load
+from lightning_lowmem.engine.report import LoadReport
+from lightning_lowmem.engine.stream import Transform, stream
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.memory import MemoryMonitor
+from lightning_lowmem.meta import check_no_meta, recompute_meta_buffers
+from lightning_lowmem.placement import MaxMemory, architecture_of, dispatch
+from lightning_lowmem.plan import Combine, KeyMap, apply_dtype_fallback
+from lightning_lowmem.quantize import QuantScheme, module_nbytes, prepare_quantization
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(
+    module: nn.Module,
+    checkpoint: str | Path | Checkpoint,
+    *,
+    options: LoadOptions | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    quantize: str | QuantScheme | None = None,
+    skip_quantize: list[str] | str | None = None,
+    strict: bool | None = None,
+    key_map: KeyMap | None = None,
+    progress: bool | None = None,
+    max_memory: MaxMemory | None = None,
+    context: int | None = None,
+    transform: Transform | None = None,
+    combine: Combine | None = None,
+) -> LoadReport:
+    """Stream ``checkpoint`` into ``module``, one tensor at a time.
+
+    Args:
+        module: any module; parameters may be on meta (see :func:`init_empty`), real, or mixed.
+        checkpoint: a ``.safetensors`` file, a torch zip file (``.pt``/``.pth``/``.bin``/``.ckpt``:
+            a Lightning ``state_dict`` or Fabric ``model`` entry is found by itself), a sharded
+            set's ``*.index.json``, a directory holding one of these (litgpt's ``lit_model.pth``
+            and HF's ``model.safetensors`` included), or a :class:`Checkpoint` already open.
+        options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
+            the keyword arguments override the fields they name.
+        device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, context,
+            transform, combine: the fields of :class:`~lightning_lowmem.LoadOptions`.
+
+    Returns:
+        A :class:`LoadReport`.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
+        CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
+        MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
+        UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
+        DeviceUnavailableError: ``device`` does not exist here (raised before opening anything).
+
+    Example::
+
+        >>> import tempfile, safetensors.torch
+        >>> from lightning_lowmem import init_empty
+        >>> path = tempfile.mkdtemp() + "/model.safetensors"
+        >>> safetensors.torch.save_file(torch.nn.Linear(4, 2).state_dict(), path)
+        >>> with init_empty():
+        ...     layer = torch.nn.Linear(4, 2)
+        >>> report = load_checkpoint(layer, path, dtype=torch.bfloat16, progress=False)
+        >>> layer.weight.dtype, report.tensors, report.bytes_loaded
+        (torch.bfloat16, 2, 20)
+    """
+    options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
+                                strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
+                                context=context, transform=transform, combine=combine)
+    return run_load(module, checkpoint, options)
+
+
+def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: LoadOptions, *,
+             on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
+    """The whole load under one memory monitor: open once, prepare from the headers, stream.
+
+    Args:
+        module, checkpoint: as :func:`load_checkpoint`.
+        options: the load options.
+        on_plan: called with the prepared load before any weight is read (a face's own checks and
+            initializations). With it, missing and unexpected keys are left for it to check
+            (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
+    """
+    check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
+    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, opened(checkpoint) as ckpt:
+        prepared = prepare_load(module, ckpt.records, options, files=ckpt.description, check_keys=on_plan is None)
+        if on_plan is not None:
+            on_plan(prepared)
+        report = load_prepared(prepared, ckpt, monitor)
+    return _finish_report(report, monitor)
+
+
+def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonitor | None = None) -> LoadReport:
+    """Stream a load :func:`prepare_load` decided from ``ckpt``'s headers, and finish the module.
+
+    Args:
+        prepared: the decided load.
+        ckpt: the open checkpoint the plan was made from.
+        monitor: a running monitor whose block covers this load; without one, the load gets its own.
+    """
+    if monitor is None:
+        with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
+            report = load_prepared(prepared, ckpt, own)
+        return _finish_report(report, own)
+    module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
+    apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
+    quantizer = prepare_quantization(module, prepared.selection, plan, device) if prepared.selection else None
+    report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
+                        key_note=plan.prefix_note, placement=prepared.placement)
+    architecture_of(module).before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    report.tensors, report.bytes_read = stream(module, ckpt, plan, quantizer, transform=options.transform,
+                                               combine=options.combine, progress=options.progress)
+    report.recomputed = recompute_meta_buffers(module, device)
+    _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)
+    report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
+    check_no_meta(module, f"After loading {plan.files}")
+    if prepared.placement is not None:
+        report.offload = dispatch(module, prepared.placement)
+    if quantizer is not None:
+        report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
+        report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
+    return report
+
+
+def _finish_report(report: LoadReport, monitor: MemoryMonitor) -> LoadReport:
+    report.memory = monitor.usage
+    report.seconds = monitor.usage.seconds
+    log.info("%s", report)
+    return report
+
+
+def _watched(options: LoadOptions) -> torch.device | None:
+    """The device whose memory the load's monitor watches (with max_memory: the execution device)."""
+    if options.budgets is not None:
+        return torch.device(options.budgets.execution_device)
+    return options.device
+
+
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
+
+    bf16 becomes fp16 on a device without bf16, as the loaded tensors did
+    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
+    """
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if buf is None or buf.is_meta:
+                continue
+            where = device or buf.device
+            cast = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
+            if cast == torch.bfloat16 and not supports_bf16(where):
+                cast = torch.float16
+            mod._buffers[name] = buf.to(device=where, dtype=cast)

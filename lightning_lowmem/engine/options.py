@@ -1,0 +1,134 @@
+"""``LoadOptions``: how to load a checkpoint, validated once and accepted by every face.
+
+``load_checkpoint``, ``placement_plan``, ``estimate_memory``, ``generate``,
+``LowMemStrategy`` and ``LowMemCallback`` all take ``options=LoadOptions(...)``;
+their keyword arguments of the same names still work and override the fields
+they name (``None`` leaves a field as it is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_lowmem.placement import Budgets, MaxMemory, parse_max_memory
+from lightning_lowmem.plan import Combine, KeyMap
+from lightning_lowmem.quantize import QuantScheme, parse_scheme, parse_skip
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a checkpoint. Validated when built; unknown schemes and bad values fail here, before any I/O.
+
+    Attributes:
+        device: where the tensors go; default: where each tensor already is, or CPU for meta.
+        dtype: floating-point tensors are cast to it; default: each module tensor's dtype.
+        quantize: a scheme, in litgpt's spelling (``"bnb.nf4"``, ``"bnb.nf4-dq"``, ``"bnb.fp4"``,
+            ``"bnb.fp4-dq"``, ``"bnb.int8"``, ``"torchao.int8wo"``, ``"torchao.int8dq"``,
+            ``"torchao.int4wo"``) or a scheme object (``BnbNF4(blocksize=128)``); stored as the object.
+            Each chosen ``nn.Linear`` weight is quantized as it is read.
+        skip_quantize: module-name globs left in full precision (one string is one pattern); default:
+            the output head (``lm_head``) and anything tied to the input embedding. Stored as a tuple.
+        strict: raise on missing or unexpected keys (the default, None, means True; in Fabric, the
+            ``strict`` argument of each load call). Tensors left on meta are an error either way.
+        key_map: checkpoint-to-module renames: a dict of prefixes (``{"model.": ""}``) or a callable
+            returning the module name (or None to skip the key). Without it, a single missing or extra
+            top-level prefix is detected.
+        transform: ``transform(module_name, tensor)`` on each tensor as read, before the cast and
+            quantization; returns the tensor to load (same shape). The tensor passed in may live in a
+            buffer reused for the next read: do not keep it.
+        combine: module tensors built from several checkpoint keys (:class:`~lightning_lowmem.Combine`),
+            e.g. an HF checkpoint's q, k and v projections into litgpt's ``qkv``.
+        max_memory: device budgets, e.g. ``{"cuda:0": "6GiB", "cpu": "20GiB"}``, instead of ``device``:
+            a placement plan decides each layer's device before any weight is read; layers on the CPU
+            are streamed to the accelerator for their forward. Stored parsed (:class:`Budgets`).
+        context: tokens of KV cache (prompt + max_new_tokens) the placement plan reserves room for.
+        batch_size: sequences per forward the placement plan reserves caches and activations for.
+        progress: show a progress bar by bytes; default: when stderr is a terminal.
+
+    Example::
+
+        >>> options = LoadOptions(quantize="bnb.nf4", skip_quantize="lm_head")
+        >>> options.quantize.name, options.skip_quantize
+        ('bnb.nf4', ('lm_head',))
+        >>> LoadOptions.merge(options, dtype=torch.bfloat16, quantize=None).quantize.name
+        'bnb.nf4'
+    """
+
+    device: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+    quantize: str | QuantScheme | None = None
+    skip_quantize: str | Sequence[str] | None = None
+    strict: bool | None = None
+    key_map: KeyMap | None = None
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    combine: Combine | None = None
+    max_memory: MaxMemory | Budgets | None = None
+    context: int | None = None
+    batch_size: int = 1
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        if self.device is not None:
+            set_("device", torch.device(self.device))
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {self.dtype!r}.")
+        set_("quantize", parse_scheme(self.quantize))
+        set_("skip_quantize", parse_skip(self.skip_quantize))
+        if self.max_memory is not None:
+            if self.device is not None:
+                raise ValueError(f"Pass device={str(self.device)!r} or max_memory=, not both: with max_memory the "
+                                 "placement plan decides each layer's device.")
+            set_("max_memory", parse_max_memory(self.max_memory))
+        self._check_types()
+
+    def _check_types(self) -> None:
+        checks: list[tuple[str, Any, bool, str]] = [
+            ("strict", self.strict, self.strict is None or isinstance(self.strict, bool), "True, False or None"),
+            ("key_map", self.key_map, self.key_map is None or callable(self.key_map)
+             or isinstance(self.key_map, Mapping), "a dict of prefixes or a callable"),
+            ("transform", self.transform, self.transform is None or callable(self.transform), "a callable"),
+            ("combine", self.combine, self.combine is None or isinstance(self.combine, Combine), "a Combine"),
+            ("context", self.context, self.context is None or _positive(self.context), "an int >= 1 or None"),
+            ("batch_size", self.batch_size, _positive(self.batch_size), "an int >= 1"),
+            ("progress", self.progress, self.progress is None or isinstance(self.progress, bool), "a bool or None"),
+        ]
+        for name, value, ok, expected in checks:
+            if not ok:
+                raise TypeError(f"{name} must be {expected}, got {value!r}.")
+
+    @property
+    def budgets(self) -> Budgets | None:
+        """The parsed ``max_memory``."""
+        return self.max_memory  # type: ignore[return-value]  (parsed in __post_init__)
+
+    @property
+    def scheme(self) -> QuantScheme | None:
+        """The parsed ``quantize``."""
+        return self.quantize  # type: ignore[return-value]  (parsed in __post_init__)
+
+    @classmethod
+    def merge(cls, options: LoadOptions | None = None, **overrides: Any) -> LoadOptions:
+        """``options`` (default: ``LoadOptions()``) with every keyword argument that is not None put in.
+
+        Raises:
+            TypeError: a keyword that is not a field.
+        """
+        base = options if options is not None else cls()
+        if not isinstance(base, LoadOptions):
+            raise TypeError(f"options must be a LoadOptions, got {type(base).__name__}.")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"Unknown load options {unknown}; LoadOptions has {sorted(fields)}.")
+        changes = {name: value for name, value in overrides.items() if value is not None}
+        return dataclasses.replace(base, **changes) if changes else base
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

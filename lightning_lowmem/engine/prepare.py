@@ -1,0 +1,173 @@
+"""One load decided from headers alone: the plan, its quantization and its placement, made once.
+
+::
+
+    records (headers) -> make_plan -> select_linears (marks quantized targets)
+                      -> place_layers (with max_memory: each target's device)
+
+The loader streams what :func:`prepare_load` decided; :func:`placement_plan` and
+the memory estimate read the same decision without reading a weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_lowmem.dtypes import model_dtype
+from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.formats import Checkpoint, TensorRecord
+from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan, module_records
+from lightning_lowmem.quantize import Selection, select_linears
+
+
+@dataclass
+class PreparedLoad:
+    """A load decided before any weight is read.
+
+    Attributes:
+        module: the module being loaded.
+        options: the load options.
+        plan: every tensor to load; ``Target.scheme`` marks the quantized weights and ``Target.device``
+            is where each goes (the placement's decision with ``max_memory``).
+        selection: which Linears are quantized and why the others are not (None without ``quantize``).
+        placement: the placement plan (None without ``max_memory``).
+        device: where buffers and caches go: the execution device, else ``options.device``, else CPU.
+    """
+
+    module: nn.Module
+    options: LoadOptions
+    plan: LoadPlan
+    selection: Selection | None = None
+    placement: PlacementPlan | None = None
+    device: torch.device = torch.device("cpu")
+
+
+def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options: LoadOptions, *,
+                 files: str = "the checkpoint", check_keys: bool = True, kv_cache_bytes: int | None = None,
+                 activation_bytes: int | None = None) -> PreparedLoad:
+    """Plan the load of ``records`` into ``module`` under ``options``; reads no weight.
+
+    Args:
+        module: the module (usually built on meta).
+        records: the checkpoint's tensor records (``Checkpoint.records``).
+        options: the load options.
+        files: the checkpoint's files, for messages.
+        check_keys: apply ``options.strict`` to missing and unexpected keys now; False leaves that to
+            the caller (``plan.check_keys``), which may allow some missing tensors (added adapters).
+        kv_cache_bytes, activation_bytes: with ``max_memory``, what the execution device reserves for caches
+            and activations instead of the model architecture's estimates.
+
+    Raises:
+        CheckpointMismatchError: shapes differ, or (strict) keys are missing or unexpected.
+        MemoryBudgetError: ``max_memory`` cannot hold the model.
+    """
+    plan = make_plan(module, records, key_map=options.key_map, dtype=options.dtype, device=options.device,
+                     combine=options.combine, files=files)
+    if check_keys:
+        plan.check_keys(strict=options.strict is not False)
+    prepared = PreparedLoad(module, options, plan, device=options.device or torch.device("cpu"))
+    if options.scheme is not None:
+        prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize)
+    if options.budgets is not None:
+        prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
+        prepared.device = torch.device(prepared.placement.execution_device)
+    return prepared
+
+
+def _place(module: nn.Module, plan: LoadPlan, options: LoadOptions, kv_cache_bytes: int | None = None,
+           activation_bytes: int | None = None) -> PlacementPlan:
+    """The placement of ``plan`` under ``options.max_memory``; caches and activations from the model's architecture."""
+    architecture = architecture_of(module)
+    dtype = model_dtype(module, options.dtype)
+    batch, context = options.batch_size, options.context
+    if kv_cache_bytes is None:
+        kv_cache_bytes = architecture.cache_bytes(module, batch, context, dtype).total if context else 0
+    if activation_bytes is None:
+        activation_bytes = architecture.activation_bytes(module, batch, context or 1, dtype)
+    return place_layers(module, plan, options.budgets, cache_bytes=kv_cache_bytes, activation_bytes=activation_bytes,
+                        context=context, batch_size=batch,
+                        quantize=options.scheme.name if options.scheme is not None else None)
+
+
+@contextlib.contextmanager
+def opened(checkpoint: str | Path | Checkpoint) -> Iterator[Checkpoint]:
+    """``checkpoint`` opened for the block (closed after), or a :class:`Checkpoint` already open (left open)."""
+    if isinstance(checkpoint, Checkpoint):
+        yield checkpoint
+        return
+    with Checkpoint.open(checkpoint) as ckpt:
+        yield ckpt
+
+
+def placement_plan(
+    module: nn.Module,
+    checkpoint: str | Path | Checkpoint | Mapping[str, TensorRecord] | None,
+    max_memory: MaxMemory | None = None,
+    *,
+    options: LoadOptions | None = None,
+    context: int | None = None,
+    batch_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    quantize: str | None = None,
+    skip_quantize: list[str] | str | None = None,
+    key_map: KeyMap | None = None,
+    strict: bool | None = None,
+    combine: Combine | None = None,
+    kv_cache_bytes: int | None = None,
+    activation_bytes: int | None = None,
+) -> PlacementPlan:
+    """Where each layer of ``module`` would go under ``max_memory``, without reading any weights.
+
+    It is the placement :func:`~lightning_lowmem.load_checkpoint` makes with the same options: the same
+    plan, the same Linears quantized, the same cache and activation reservations.
+
+    Args:
+        module: the model, usually built on meta (see :func:`lightning_lowmem.init_empty`).
+        checkpoint: a checkpoint path (only its headers are read), an open :class:`Checkpoint`, its
+            records, or None to size the module's own tensors.
+        max_memory: device -> budget (int bytes or ``'6GiB'``); at most one accelerator, plus ``'cpu'``
+            for the offloaded layers. May come in ``options`` instead.
+        options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
+        context: tokens of KV cache to reserve (prompt + max_new_tokens); None reserves none and
+            sizes activations for one token.
+        batch_size: sequences per forward.
+        dtype: the dtype floating tensors are loaded in (default: each tensor's own).
+        quantize, skip_quantize, key_map, strict, combine: as in :func:`lightning_lowmem.load_checkpoint`.
+        kv_cache_bytes, activation_bytes: override the model architecture's estimates.
+
+    Raises:
+        MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
+            model does not fit in all budgets together; ``.needed`` and ``.available`` are bytes.
+
+    Example::
+
+        >>> from lightning_lowmem import init_empty
+        >>> with init_empty():
+        ...     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])
+        >>> plan = placement_plan(model, None, {"cuda:0": "13MiB", "cpu": "1GiB"})
+        >>> [layer.device for layer in plan.layers]
+        ['cuda:0', 'cpu', 'cpu', 'cpu']
+    """
+    options = LoadOptions.merge(options, max_memory=max_memory, context=context, batch_size=batch_size,
+                                dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
+                                strict=strict, combine=combine)
+    if options.budgets is None:
+        raise ValueError("placement_plan needs max_memory (here or in options), "
+                         "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")
+    with contextlib.ExitStack() as stack:
+        if checkpoint is None:
+            records = module_records(module)
+        elif isinstance(checkpoint, Mapping):
+            records = dict(checkpoint)
+        else:
+            records = stack.enter_context(opened(checkpoint)).records
+        prepared = prepare_load(module, records, options, kv_cache_bytes=kv_cache_bytes,
+                                activation_bytes=activation_bytes)
+    return prepared.placement

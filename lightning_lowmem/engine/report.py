@@ -1,0 +1,78 @@
+"""``LoadReport``: what a load did, in numbers and in words (``print(report)``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lightning_lowmem.errors import format_names
+from lightning_lowmem.memory import MemoryUsage, format_bytes
+from lightning_lowmem.placement import Offload, PlacementPlan
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` did.
+
+    Attributes:
+        files: the checkpoint files read.
+        entry: where a torch file's state dict was (``'state_dict'``, ``'model'`` or ``''``).
+        tensors: checkpoint tensors read.
+        bytes_read: bytes read from the checkpoint.
+        bytes_loaded: bytes of the loaded tensors in the module (after casting and quantization).
+        seconds: wall time of the load.
+        memory: peak host RSS (and device memory) during the load.
+        skipped: checkpoint keys not loaded (``strict=False``).
+        missing: module tensors not in the checkpoint (``strict=False``).
+        recomputed: non-persistent buffers rebuilt after the load.
+        key_note: the key prefix that was guessed, if any.
+        quantized: quantized module name -> scheme.
+        left_out: ``nn.Linear`` module name -> why it stayed in full precision (``quantize`` only).
+        quantized_bytes_before / quantized_bytes_after: those modules' weight bytes.
+        placement: the placement plan (``max_memory`` only).
+        offload: the hooks that stream the offloaded layers in (``max_memory`` only, when layers are offloaded).
+    """
+
+    files: list[Path]
+    entry: str = ""
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_loaded: int = 0
+    seconds: float = 0.0
+    memory: MemoryUsage = field(default_factory=MemoryUsage)
+    skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    recomputed: list[str] = field(default_factory=list)
+    key_note: str = ""
+    quantized: dict[str, str] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
+    quantized_bytes_before: int = 0
+    quantized_bytes_after: int = 0
+    placement: PlacementPlan | None = None
+    offload: Offload | None = None
+
+    def __str__(self) -> str:
+        where = format_names((p.name for p in self.files), limit=3, quote=False)
+        lines = [
+            f"Loaded {self.tensors} tensors ({format_bytes(self.bytes_read)} read, "
+            f"{format_bytes(self.bytes_loaded)} in the model) from {where} in {self.seconds:.2f} s",
+            f"  memory: {self.memory.summary()}",
+        ]
+        if self.quantized:
+            schemes = sorted(set(self.quantized.values()))
+            lines.append(f"  quantized {len(self.quantized)} modules with {', '.join(schemes)}: "
+                         f"{format_bytes(self.quantized_bytes_before)} -> {format_bytes(self.quantized_bytes_after)}")
+        if self.left_out:
+            lines.append("  kept in full precision: " + format_names(
+                (f"{name} ({why})" for name, why in self.left_out.items()), limit=5, quote=False))
+        if self.placement is not None:
+            per_device = self.placement.weights_per_device()
+            lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())
+                         + f" ({len(self.placement.offloaded)} layers offloaded)")
+        if self.key_note:
+            lines.append(f"  keys: {self.key_note}")
+        if self.skipped:
+            lines.append(f"  skipped {len(self.skipped)} checkpoint keys: {format_names(self.skipped, limit=5)}")
+        if self.missing:
+            lines.append(f"  missing {len(self.missing)} module tensors: {format_names(self.missing, limit=5)}")
+        return "\n".join(lines)

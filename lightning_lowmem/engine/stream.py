@@ -1,0 +1,178 @@
+"""The streaming loop: each target of the plan read alone, cast, moved, quantized and assigned, in module order.
+
+::
+
+    for each target:  read it alone [or its parts, combined | or a block of rows at a time]
+                      -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
+
+Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
+and the result). A read that fails half way puts everything loaded so far back on meta.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.meta import assign, back_to_meta
+from lightning_lowmem.plan import Combine, LoadPlan, Target
+from lightning_lowmem.quantize import Quantizer
+from lightning_lowmem.quantize.rows import RowSource
+from lightning_lowmem.engine.readahead import ScratchBuffer, read_ahead
+
+READ_AHEAD_FINAL = 512 * 2**20
+"""Bytes read ahead of the tensor being handled (see readahead.py): only where what is read
+becomes the final tensor as it is (no cast, no move, no quantization), so it costs nothing."""
+
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None, *,
+           transform: Transform | None = None, combine: Combine | None = None,
+           progress: bool | None = None) -> tuple[int, int]:
+    """Load every target of ``plan`` from ``ckpt`` into ``module``; returns ``(tensors read, bytes read)``.
+
+    On any error, every tensor loaded so far goes back to meta before the error propagates.
+    """
+    reads = _Reads(ckpt, plan, quantizer, transform, combine)
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
+               disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
+    loaded: list[list[str]] = []
+    tensors = nbytes = 0
+    try:
+        with torch.no_grad():
+            for target, tensor in read_ahead(plan.targets, reads.read, lambda t: t.read_nbytes, reads.window):
+                _install(module, target, tensor, quantizer, transform)
+                del tensor
+                loaded.append(target.names)
+                tensors += len(target.parts) or 1
+                nbytes += target.read_nbytes
+                bar.update(target.read_nbytes)
+    except BaseException:
+        back_to_meta(module, loaded)  # never hand back a half-loaded model that looks loaded
+        raise
+    finally:
+        bar.close()
+    return tensors, nbytes
+
+
+def _install(module: nn.Module, target: Target, tensor: torch.Tensor | RowSource, quantizer: Quantizer | None,
+             transform: Transform | None) -> None:
+    """Put what was read for ``target`` into ``module``: quantized (a marked weight) or cast, moved and assigned."""
+    if isinstance(tensor, RowSource):
+        quantizer.load(module, target, tensor)  # cast and moved block by block already
+        return
+    if transform is not None:
+        tensor = transform(target.names[0], tensor)
+    tensor = tensor.to(dtype=target.dtype).to(device=target.device)
+    if quantizer is None or not quantizer.load(module, target, tensor):
+        assign(module, target.names, tensor, target.is_parameter)
+
+
+class _Reads:
+    """How each target is read: into a reused scratch buffer, by blocks of rows, from combined parts, or plainly."""
+
+    def __init__(self, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None, transform: Transform | None,
+                 combine: Combine | None) -> None:
+        self.ckpt, self.quantizer, self.transform, self.combine = ckpt, quantizer, transform, combine
+        transient = quantizer is not None or transform is not None or any(
+            t.parts or t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
+        self.window = 0 if transient else READ_AHEAD_FINAL  # transient reads are never read ahead
+        size = _scratch_size(plan, lambda t: self._copied(t) and not self.by_rows(t)) if self.window == 0 else 0
+        self.scratch = ScratchBuffer(size) if size else None
+        self.scratch_size = size
+        self.parts = _SharedParts(ckpt, plan)
+
+    def by_rows(self, target: Target) -> bool:
+        """Quantized a block of rows at a time, each read on its own: the whole weight is never read."""
+        return (self.quantizer is not None and self.transform is None and not target.parts
+                and len(target.record.shape) == 2 and self.quantizer.by_rows(target)
+                and self.ckpt.reads_rows(target.record.key))
+
+    def _copied(self, target: Target) -> bool:
+        """Whether what is read for ``target`` is copied before the next read (so it may be read into scratch)."""
+        return not target.parts and (target.dtype != target.record.dtype or target.device.type != "cpu"
+                                     or target.scheme is not None)
+
+    def read(self, target: Target) -> torch.Tensor | RowSource:
+        if target.parts:
+            return _read_combined(self.parts, target, self.combine)
+        if self.by_rows(target):
+            return _row_source(self.ckpt, target)
+        rec = target.record
+        if self.scratch is not None and rec.nbytes <= self.scratch_size and self._copied(target):
+            return self.ckpt.read(rec.key, out=self.scratch.view(rec.shape, rec.dtype))
+        return self.ckpt.read(rec.key)
+
+
+def _row_source(ckpt: Checkpoint, target: Target) -> RowSource:
+    """``target``'s weight as blocks of rows, each read from the file into one reused buffer, cast and moved."""
+    rec = target.record
+    row_elements = math.prod(rec.shape[1:])
+    buffer = torch.empty(0, dtype=rec.dtype)
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        nonlocal buffer
+        if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
+            block = ckpt.read(rec.key)
+        else:
+            n = (stop - start) * row_elements
+            if buffer.numel() < n:
+                buffer = torch.empty(n, dtype=rec.dtype)
+            block = ckpt.read_rows(rec.key, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
+        return block.to(dtype=target.dtype).to(device=target.device)
+
+    return RowSource(rec.shape, target.dtype, target.device, rows)
+
+
+class _SharedParts:
+    """Reads the parts of combined targets; a part that a later target also needs is read once and held till then.
+
+    litgpt splits Phi-3's ``gate_up_proj`` into ``fc_1`` and ``fc_2``: without this it was read twice.
+    """
+
+    def __init__(self, ckpt: Checkpoint, plan: LoadPlan) -> None:
+        self._ckpt = ckpt
+        self._uses: dict[str, int] = {}
+        for target in plan.targets:
+            for part in target.parts:
+                self._uses[part.key] = self._uses.get(part.key, 0) + 1
+        self._held: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str) -> torch.Tensor:
+        tensor = self._held.pop(key, None)
+        if tensor is None:
+            tensor = self._ckpt.read(key)
+        self._uses[key] -= 1
+        if self._uses[key] > 0:
+            self._held[key] = tensor
+        return tensor
+
+
+def _read_combined(parts: _SharedParts, target: Target, combine: Combine) -> torch.Tensor:
+    """The target's parts read one after the other (fresh memory each) and combined; the parts are then dropped."""
+    tensor = combine.fn(target.record.key, {p.key: parts.take(p.key) for p in target.parts})
+    if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a part would keep the whole part alive
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _scratch_size(plan: LoadPlan, copied: Callable[[Target], bool]) -> int:
+    """Bytes of the reused read buffer: the largest ``copied`` tensor read in the second half of the load.
+
+    The buffer is held to the end, when the model is nearly complete, so it is sized to the transients
+    of that part of the load; a larger tensor read early (litgpt reads ``lm_head`` first) gets fresh
+    memory, freed at once, as without the buffer.
+    """
+    total, done, size = plan.nbytes, 0, 0
+    for target in plan.targets:
+        if done >= total / 2 and copied(target):
+            size = max(size, target.record.nbytes)
+        done += target.read_nbytes
+    return size

@@ -1,0 +1,149 @@
+"""``Checkpoint``: every tensor record of every file of a checkpoint, each file opened once.
+
+Opening reads headers only; :meth:`Checkpoint.read` and :meth:`Checkpoint.read_rows`
+then read one tensor, or a block of its rows, at a time from the descriptor the
+header was read through.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
+from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
+from lightning_lowmem.formats.safetensors import SafetensorsFile
+from lightning_lowmem.formats.torch_zip import TorchZipFile
+
+_READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile}
+
+
+def _open_files(path: str | Path) -> list[CheckpointFile]:
+    """The readers of every file ``path`` stands for; an index is followed to its shards."""
+    first = locate(path)
+    fd = os.open(first, os.O_RDONLY)
+    try:
+        kind = kind_of(os.pread(fd, HEAD_BYTES, 0), first)
+        if kind != "index":
+            return [_READERS[kind](first, fd)]
+        text = os.pread(fd, os.fstat(fd).st_size, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    files: list[CheckpointFile] = []
+    try:
+        for shard in shards_of_index(first, text):
+            files.append(_open_shard(shard))
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files
+
+
+def _open_shard(path: Path) -> CheckpointFile:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        kind = kind_of(os.pread(fd, HEAD_BYTES, 0), path)
+        if kind == "index":
+            raise CheckpointFormatError(f"{path} is an index inside an index; pass the top-level index instead.")
+        return _READERS[kind](path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class Checkpoint:
+    """An opened checkpoint: every tensor record of every file, read one at a time.
+
+    Example::
+
+        >>> import tempfile, safetensors.torch
+        >>> path = Path(tempfile.mkdtemp()) / "model.safetensors"
+        >>> safetensors.torch.save_file({"w": torch.ones(2, 3)}, path)
+        >>> with Checkpoint.open(path) as ckpt:
+        ...     print(ckpt.records["w"].shape, ckpt.read("w").sum().item())
+        (2, 3) 6.0
+    """
+
+    def __init__(self, files: list[CheckpointFile]) -> None:
+        self.files = files
+        self.records: dict[str, TensorRecord] = {}
+        self._owner: dict[str, CheckpointFile] = {}
+        for file in files:
+            for key, rec in file.records().items():
+                if key in self.records:
+                    raise CheckpointFormatError(
+                        f"Tensor {key!r} is in both {self.records[key].file} and {file.path}; "
+                        "a sharded checkpoint must hold each key once. Remove the stray file."
+                    )
+                self.records[key] = rec
+                self._owner[key] = file
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        """Open ``path``: a file, a ``*.index.json`` or a directory. Reads headers only."""
+        files = _open_files(path)
+        try:
+            return cls(files)
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+
+    @property
+    def paths(self) -> list[Path]:
+        return [f.path for f in self.files]
+
+    @property
+    def description(self) -> str:
+        """The files, for messages: the first three and how many more."""
+        return format_names(self.paths, limit=3, quote=False)
+
+    @property
+    def entry(self) -> str:
+        """The entry a torch file's state dict was found under (``state_dict``, ``model``) or ``''``."""
+        return next((f.entry for f in self.files if getattr(f, "entry", "")), "")
+
+    def other_entries(self) -> dict[str, Any]:
+        """A torch checkpoint's entries other than the weights' (optimizer state, counters), read without
+        reading the weights; empty for safetensors files and bare state dicts."""
+        out: dict[str, Any] = {}
+        for f in self.files:
+            if isinstance(f, TorchZipFile):
+                out.update(f.other_entries())
+        return out
+
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read tensor ``key`` into a new tensor, or into ``out`` (contiguous, of its shape and dtype) when given.
+
+        A strided view stored in a torch file is returned as a new tensor even when ``out`` is given.
+        """
+        return self._owner[key].read(key, out)
+
+    def reads_rows(self, key: str) -> bool:
+        """Whether blocks of rows of ``key`` can be read on their own (:meth:`read_rows`)."""
+        return self._owner[key].reads_rows(key)
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of tensor ``key``, read without the rest of it."""
+        return self._owner[key].read_rows(key, start, stop, out)
+
+    def __iter__(self) -> Iterator[TensorRecord]:
+        return iter(self.records.values())
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

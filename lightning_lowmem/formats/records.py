@@ -1,0 +1,95 @@
+"""What a checkpoint file holds, known from its headers alone (one record per tensor), and how its data is read.
+
+Every reader (``safetensors.py``, ``torch_zip.py``) gives :class:`TensorRecord` s from the
+file's headers and reads each tensor, or a block of its rows, on its own with
+:func:`read_exactly`, straight into the memory that becomes the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from lightning_lowmem.errors import CheckpointFormatError
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A tensor in a checkpoint file, described without reading its data.
+
+    Attributes:
+        key: the name in the checkpoint (after unwrapping a Lightning ``state_dict``
+            or Fabric ``model`` entry, before any key map).
+        shape: the tensor's shape.
+        dtype: the dtype it is stored in.
+        file: the file that holds it.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: Path
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class CheckpointFile(Protocol):
+    """One file of a checkpoint: its records, and a way to read each tensor on its own."""
+
+    path: Path
+
+    def records(self) -> dict[str, TensorRecord]: ...
+
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A new CPU tensor with the stored data, sharing memory with nothing else (or ``out``, filled)."""
+        ...
+
+    def reads_rows(self, key: str) -> bool:
+        """Whether :meth:`read_rows` can read a block of rows of ``key`` without reading the rest."""
+        ...
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 0) of ``key``, as :meth:`read` would give them."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def row_span(record: TensorRecord, start: int, stop: int) -> tuple[int, tuple[int, ...]]:
+    """Byte offset of row ``start`` in a C-contiguous tensor's data, and the shape of rows ``start:stop``.
+
+    Example::
+
+        >>> rec = TensorRecord("w", (10, 4), torch.bfloat16, Path("m.safetensors"))
+        >>> row_span(rec, 2, 5)
+        (16, (3, 4))
+    """
+    if not record.shape or not 0 <= start <= stop <= record.shape[0]:
+        raise IndexError(f"rows {start}:{stop} of {record.key!r} (shape {record.shape})")
+    row_bytes = math.prod(record.shape[1:]) * record.dtype.itemsize
+    return start * row_bytes, (stop - start, *record.shape[1:])
+
+
+def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+    """Fill the CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy between)."""
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(buffer):
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n == 0:
+            raise CheckpointFormatError(
+                f"{path} ends at byte {offset + done}, but a tensor needs {len(buffer) - done} more bytes there. "
+                "The file is truncated: download or save it again."
+            )
+        done += n

@@ -1,0 +1,184 @@
+"""``LowMemCallback``: the Trainer builds the model on meta and streams a checkpoint in before the optimizer exists.
+
+The Trainer runs ``Callback.setup`` -> ``LightningModule.configure_model`` -> checkpoint
+restore -> ``strategy.setup`` (precision, device, optimizers). The callback wraps
+``configure_model`` from ``setup``: the user's hook runs inside
+:func:`~lightning_lowmem.init_empty`, and the weights are streamed (and quantized)
+into the LightningModule right after it, on the strategy's device.
+
+QLoRA-style fine-tuning works as users expect: quantized weights are frozen, the
+parameters the module adds (adapters, heads; see :mod:`lightning_lowmem.lightning.load`)
+are initialized and train, and Lightning checkpoints hold only what trains
+(``save_frozen=False``): the frozen base comes from ``checkpoint`` again on reload.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_lowmem.engine import LoadOptions, LoadReport
+from lightning_lowmem.errors import CheckpointMismatchError, format_names
+from lightning_lowmem.formats.discovery import locate
+from lightning_lowmem.lightning.load import load_into
+from lightning_lowmem.lightning.state import module_to_device_skipping_meta, plugin_dtype
+from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.meta import has_meta, init_empty
+from lightning_lowmem.placement import MaxMemory, Offload, move_except_offloaded
+from lightning_lowmem.plan import KeyMap
+
+
+class LowMemCallback(pl.Callback):
+    """Build the LightningModule's model on meta in ``configure_model`` and stream ``checkpoint`` into it.
+
+    Works for ``fit``, ``validate``, ``test`` and ``predict``. Checkpoint keys may be relative to the
+    LightningModule (a Lightning ``.ckpt``: ``model.transformer...``) or to the one model it wraps
+    (``lit_model.pth``, ``model.safetensors``); ``key_map`` covers the rest.
+
+    Args:
+        checkpoint: anything :func:`~lightning_lowmem.load_checkpoint` reads.
+        options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
+            ``quantize`` (``"bnb.nf4"`` for QLoRA) works on CPU and CUDA; ``dtype`` defaults to the
+            Trainer's ``"bf16-true"``/``"16-true"`` dtype, else the dtype the model was built with;
+            ``strict`` (default True) fails on checkpoint keys with no place in the module and on module
+            tensors missing from the checkpoint, except the trainable parameters the module adds (they
+            are initialized).
+        quantize, skip_quantize, dtype, strict, key_map, progress, max_memory, context: the fields of
+            :class:`~lightning_lowmem.LoadOptions`.
+        save_frozen: keep the frozen weights loaded from ``checkpoint`` in Lightning checkpoints.
+            Default False: checkpoints hold what trains, and a run restored from one
+            (``ckpt_path=...``) gets the frozen weights from ``checkpoint`` again.
+
+    Example (``examples/trainer_finetune.py`` runs one in full)::
+
+        trainer = L.Trainer(callbacks=[LowMemCallback("lit_model.pth", quantize="bnb.nf4")])
+        trainer.fit(LitModel())  # LitModel builds self.model in configure_model()
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        *,
+        options: LoadOptions | None = None,
+        quantize: str | None = None,
+        skip_quantize: Sequence[str] | str | None = None,
+        dtype: torch.dtype | None = None,
+        strict: bool | None = None,
+        key_map: KeyMap | None = None,
+        save_frozen: bool = False,
+        progress: bool | None = None,
+        max_memory: MaxMemory | None = None,
+        context: int | None = None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
+                                         strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
+                                         context=context)
+        self.save_frozen = save_frozen
+        self.report: LoadReport | None = None
+        self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._frozen: set[str] = set()  # frozen parameters (and quantized modules) that came from `checkpoint`
+        self._user_strict_loading = True
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        locate(self.checkpoint)  # a wrong path fails now, before anything is built (opens nothing)
+        if getattr(pl_module.__dict__.get("configure_model"), "lowmem_callback", None) is self:
+            return
+        original = pl_module.configure_model
+
+        def configure_model() -> None:
+            self._configure_and_load(trainer, pl_module, original)
+
+        configure_model.lowmem_callback = self  # type: ignore[attr-defined]
+        pl_module.configure_model = configure_model  # type: ignore[method-assign]
+        if not self.save_frozen:
+            # Our checkpoints leave out the frozen base; on_load_checkpoint checks the rest strictly.
+            self._user_strict_loading = pl_module.strict_loading
+            pl_module.strict_loading = False
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if getattr(pl_module.__dict__.get("configure_model"), "lowmem_callback", None) is self:
+            del pl_module.configure_model  # back to the class's own hook
+            if not self.save_frozen:
+                pl_module.strict_loading = self._user_strict_loading
+
+    def _configure_and_load(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                            configure: Callable[[], None]) -> None:
+        with init_empty():
+            configure()
+        if pl_module in self._loaded and not has_meta(pl_module):
+            return  # a later stage in the same process: keep what was loaded (and trained)
+        if not has_meta(pl_module):
+            _warn_allocated(pl_module, self.checkpoint)
+        self.report = load_into(pl_module, self.checkpoint, self.options, device=trainer.strategy.root_device,
+                                dtype=plugin_dtype(trainer.precision_plugin))
+        self._loaded.add(pl_module)
+        if self.report.offload is not None:
+            _keep_offloaded_on_host(trainer.strategy, self.report.offload)
+        missing = set(self.report.missing)
+        self._frozen = {n for n, p in pl_module.named_parameters() if not p.requires_grad and n not in missing}
+        self._frozen |= set(self.report.quantized)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if pl_module is None or not has_meta(pl_module):
+            return
+        # A load that failed leaves the model on meta, and the Trainer's teardown would now call
+        # pl_module.cpu(), which fails on meta and hides the real error. Do the move it wanted for the
+        # tensors that have data, and take the module out of the strategy's teardown.
+        module_to_device_skipping_meta(pl_module, torch.device("cpu"))
+        trainer.strategy._lightning_module = None
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        if self.save_frozen or not self._frozen:
+            return
+        state = checkpoint.get("state_dict", {})
+        trainable = {n for n, p in pl_module.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k not in trainable and self._is_frozen(k)]:
+            del state[key]
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Lightning loaded ``state_dict`` non-strictly; be strict about everything but the frozen base."""
+        if self.save_frozen or not self._user_strict_loading or "state_dict" not in checkpoint:
+            return
+        saved = set(checkpoint["state_dict"])
+        expected = set(pl_module.state_dict())
+        missing = sorted(k for k in expected - saved if not self._is_frozen(k))
+        unexpected = sorted(saved - expected)
+        if missing or unexpected:
+            raise CheckpointMismatchError(
+                f"The Lightning checkpoint being restored does not fit {type(pl_module).__name__} beyond the frozen "
+                f"weights LowMemCallback loads from {self.checkpoint}: missing {format_names(missing)}; "
+                f"unexpected {format_names(unexpected)}. Restore a checkpoint of this model, or set "
+                "strict_loading = False on the LightningModule to load what matches."
+            )
+
+    def _is_frozen(self, key: str) -> bool:
+        return key in self._frozen or any(key.startswith(name + ".") for name in self._frozen)
+
+
+def _keep_offloaded_on_host(strategy: pl.strategies.Strategy, offload: Offload) -> None:
+    """Make this Trainer's ``strategy.model_to_device()`` (called in its ``setup``) skip the offloaded layers."""
+    def model_to_device() -> None:
+        assert strategy.model is not None, "model_to_device before the strategy has a model"
+        move_except_offloaded(strategy.model, strategy.root_device, offload)
+
+    strategy.model_to_device = model_to_device  # type: ignore[method-assign]  # this instance only
+
+
+def _warn_allocated(pl_module: pl.LightningModule, checkpoint: str | Path) -> None:
+    nbytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+    rank_zero_warn(
+        f"LowMemCallback: {type(pl_module).__name__} already holds {format_bytes(nbytes)} of allocated parameters "
+        "when configure_model() ends: the model was built in __init__ (or outside configure_model), so it was "
+        f"allocated in full before {checkpoint} is streamed into it. Build it in configure_model() to build it "
+        "on the meta device and hold only the loaded weights."
+    )

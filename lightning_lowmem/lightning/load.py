@@ -1,0 +1,129 @@
+"""How the Lightning faces load: one prepared load, and the parameters a module adds (adapters, heads) initialized.
+
+The Fabric strategy and the Trainer callback both load through :func:`load_into`:
+it opens the checkpoint once, plans the load from its headers
+(:func:`~lightning_lowmem.engine.run_load`), initializes the parameters the
+module *adds* beyond the checkpoint, and streams the rest with the same plan.
+A parameter counts as added when it is
+
+* missing from the checkpoint,
+* still on the meta device (built inside :func:`~lightning_lowmem.init_empty`),
+* trainable (``requires_grad``), and
+* owned by a module that has ``reset_parameters()`` and none of whose own
+  parameters are in the checkpoint (litgpt's ``LoRALinear``: ``lora_A``/``lora_B``,
+  a new ``nn.Linear`` head),
+
+so it can be allocated and initialized the way the module's own ``__init__`` would
+have. Anything else that is missing is an error under ``strict=True``, raised
+before a byte of weights is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, run_load
+from lightning_lowmem.errors import MetaTensorError, format_names
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.meta import owner_of
+from lightning_lowmem.plan import LoadPlan
+
+log = logging.getLogger(__name__)
+
+
+def load_into(
+    module: nn.Module,
+    checkpoint: str | Path | Checkpoint,
+    options: LoadOptions,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    strict: bool = True,
+    init_added: bool = True,
+) -> LoadReport:
+    """Stream ``checkpoint`` into ``module`` on ``device`` and initialize the parameters the module adds.
+
+    Args:
+        module: the module, usually built inside :func:`~lightning_lowmem.init_empty`.
+        checkpoint: anything :func:`~lightning_lowmem.load_checkpoint` reads, or an open ``Checkpoint``.
+        options: the face's load options; ``options.dtype`` wins over ``dtype``, ``options.strict``
+            (when set) over ``strict``; with ``options.max_memory`` the placement decides the devices.
+        device: the strategy's device.
+        dtype: fallback cast (the precision plugin's dtype).
+        strict: the call's own strictness.
+        init_added: initialize trainable parameters the checkpoint lacks (adapters); False: an error.
+
+    Returns:
+        The loader's report; ``report.missing`` lists the added parameters that were initialized.
+
+    Raises:
+        CheckpointMismatchError: keys do not fit (strict), or shapes differ. Raised before reading data.
+        MetaTensorError: a parameter is in neither the checkpoint nor initializable.
+    """
+    strict = options.strict if options.strict is not None else strict
+    options = LoadOptions.merge(options, dtype=options.dtype or dtype, device=None if options.max_memory else device)
+
+    def initialize_added(prepared: PreparedLoad) -> None:
+        added = _added_parameters(module, prepared.plan) if init_added else {}
+        prepared.plan.check_keys(strict, allowed_missing=frozenset(added))
+        _check_fillable(module, prepared.plan, added)
+        initialized = _initialize(module, added, device, options.dtype)
+        if initialized:
+            log.info("Initialized %d parameters that are not in %s: %s", len(initialized), prepared.plan.files,
+                     format_names(initialized))
+
+    return run_load(module, checkpoint, options, on_plan=initialize_added)
+
+
+def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]:
+    """Missing, meta, trainable parameters whose owner can initialize them: name -> owner.
+
+    Not those the checkpoint should build from parts it lacks (an HF checkpoint's k_proj for qkv).
+    """
+    missing = set(plan.missing) - set(plan.absent.values())
+    added: dict[str, nn.Module] = {}
+    for name, param in module.named_parameters():
+        if name not in missing or not param.is_meta or not param.requires_grad:
+            continue
+        owner, _ = owner_of(module, name)
+        prefix = name.rpartition(".")[0]
+        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in owner._parameters.items() if p is not None]
+        if callable(getattr(owner, "reset_parameters", None)) and all(n in missing and p.is_meta for n, p in own):
+            added[name] = owner
+    return added
+
+
+def _check_fillable(module: nn.Module, plan: LoadPlan, added: dict[str, nn.Module]) -> None:
+    """Fail before any read when a meta tensor is neither in the checkpoint nor initialized here."""
+    files = plan.files
+    meta = {n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
+    stuck = [n for n in plan.missing if n in meta and n not in added]
+    if stuck:
+        raise MetaTensorError(
+            f"{len(stuck)} tensors of the module are on the meta device and not in {files}: {format_names(stuck)}. "
+            "A parameter the module adds is initialized only when it is trainable (requires_grad) and its module "
+            "has reset_parameters() and no weights in the checkpoint. Put it in such a module, load a checkpoint "
+            "that has it, or pass key_map= if it is there under another name."
+        )
+
+
+def _initialize(module: nn.Module, added: dict[str, nn.Module], device: torch.device,
+                dtype: torch.dtype | None) -> list[str]:
+    """Allocate the added parameters on ``device`` and let their owners initialize them."""
+    owners: dict[int, nn.Module] = {}
+    for name, owner in added.items():
+        _, leaf = owner_of(module, name)
+        old = owner._parameters[leaf]
+        assert old is not None
+        cast = dtype if dtype is not None and old.dtype.is_floating_point else old.dtype
+        owner._parameters[leaf] = nn.Parameter(torch.empty_like(old, device=device, dtype=cast),
+                                               requires_grad=old.requires_grad)
+        owners[id(owner)] = owner
+    with torch.no_grad():
+        for owner in owners.values():
+            owner.reset_parameters()
+    return list(added)

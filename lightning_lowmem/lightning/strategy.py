@@ -1,0 +1,206 @@
+"""``LowMemStrategy``: a single-device Fabric strategy that builds on meta and streams checkpoints in.
+
+::
+
+    fabric = L.Fabric(strategy="lowmem", precision="bf16-true")   # or strategy=LowMemStrategy(quantize="bnb.nf4")
+    with fabric.init_module():                 # parameters on meta: zero bytes
+        model = GPT(config)
+    fabric.load_raw("lit_model.pth", model)    # read, cast, (quantize) one tensor at a time
+    model = fabric.setup(model)
+
+Where Lightning's single-device strategy would allocate the model in ``init_module``,
+``torch.load`` the whole file and copy it with ``load_state_dict``, this one holds the
+final model plus one tensor in flight.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import SingleDeviceStrategy
+from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.utilities.types import _DEVICE, _Stateful
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_lowmem.engine import LoadOptions, LoadReport, opened
+from lightning_lowmem.engine.stream import Transform
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.lightning.load import load_into
+from lightning_lowmem.lightning.state import module_to_device_skipping_meta, plugin_dtype, remap_optimizer_params
+from lightning_lowmem.meta import has_meta, init_empty
+from lightning_lowmem.placement import MaxMemory
+from lightning_lowmem.plan import Combine, KeyMap
+
+
+class LowMemStrategy(SingleDeviceStrategy):
+    """Fabric on one device, with models built on meta and checkpoints streamed (and quantized) in.
+
+    * ``fabric.init_module()`` builds parameters on the meta device whatever ``empty_init`` says;
+      buffers computed in ``__init__`` (RoPE tables, masks) stay real. ``fabric.init_tensor()`` is unchanged.
+    * ``fabric.setup(model)`` accepts a model still on meta; the weights can be loaded before or after.
+    * ``fabric.load_raw(path, model)`` and ``fabric.load(path, {"model": model, ...})`` stream the model's
+      tensors through :func:`~lightning_lowmem.load_checkpoint`; the other entries (optimizer state, counters)
+      load as in Lightning, and optimizers set up on the meta parameters are pointed at the loaded ones.
+    * Trainable parameters the model adds beyond the checkpoint (LoRA adapters, new heads) are
+      initialized, even with ``strict=True`` (see :mod:`lightning_lowmem.lightning.load`); anything else
+      missing or unexpected fails under ``strict=True`` before a byte of weights is read.
+    * The checkpoint is opened once: its headers give the plan and, for ``fabric.load``, the other
+      entries (optimizer state, counters) without reading the weights; then the weights are read.
+      The weights' entry is not returned in ``fabric.load``'s remainder.
+
+    Args:
+        device: the device; default: ``options.device``, else the one Fabric's ``accelerator``/``devices``
+            flags choose.
+        accelerator, checkpoint_io, precision: as for Lightning's ``SingleDeviceStrategy``.
+        options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
+            ``dtype`` defaults to the precision plugin's dtype for ``"bf16-true"``/``"16-true"``/``"64-true"``,
+            else the dtype the model was built with; ``strict`` None lets each ``load``/``load_raw`` call's
+            ``strict`` decide. ``quantize`` works on CPU and CUDA, unlike ``BitsandbytesPrecision``.
+        quantize, skip_quantize, dtype, strict, key_map, progress, transform, combine, max_memory, context:
+            the fields of :class:`~lightning_lowmem.LoadOptions`.
+        init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters); False for
+            inference, where anything the checkpoint lacks is an error.
+
+    Example::
+
+        >>> import lightning as L
+        >>> import lightning_lowmem  # registers strategy="lowmem"
+        >>> fabric = L.Fabric(accelerator="cpu", strategy="lowmem", precision="bf16-true")
+        >>> with fabric.init_module():
+        ...     layer = torch.nn.Linear(4096, 4096)
+        >>> layer.weight.device
+        device(type='meta')
+    """
+
+    strategy_name = "lowmem"
+
+    def __init__(
+        self,
+        device: _DEVICE | None = None,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        *,
+        options: LoadOptions | None = None,
+        quantize: str | None = None,
+        skip_quantize: Sequence[str] | str | None = None,
+        dtype: torch.dtype | None = None,
+        strict: bool | None = None,
+        key_map: KeyMap | None = None,
+        progress: bool | None = None,
+        transform: Transform | None = None,
+        combine: Combine | None = None,
+        max_memory: MaxMemory | None = None,
+        context: int | None = None,
+        init_added: bool = True,
+    ) -> None:
+        self.options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
+                                         strict=strict, key_map=key_map, progress=progress, transform=transform,
+                                         combine=combine, max_memory=max_memory, context=context)
+        device = device if device is not None else self.options.device
+        super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
+                         precision=precision)
+        self.init_added = init_added
+        self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
+        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self.reports: list[LoadReport] = []
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """The device list Fabric's connector fills in when the strategy comes from the registry."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices and len(devices) > 1:
+            raise ValueError(
+                f"LowMemStrategy runs on one device, but Fabric was asked for {len(devices)}: {devices}. "
+                "Pass devices=1 (and e.g. accelerator='cuda' or devices=[2] to pick one)."
+            )
+        self._parallel_devices = devices
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self._parallel_devices[0] if self._parallel_devices else self._root_device
+
+    @property
+    def load_dtype(self) -> torch.dtype | None:
+        """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
+        return self.options.dtype or plugin_dtype(self.precision)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        # empty_init is ignored on purpose: parameters go to meta (no memory, no init) in every case.
+        stack = ExitStack()
+        stack.enter_context(self.root_device)  # buffers built in __init__ go straight to the device
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(init_empty())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        module_to_device_skipping_meta(module, self.root_device)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._optimizers.add(optimizer)  # re-pointed at the loaded parameters by load_checkpoint
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | Path | Checkpoint,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if isinstance(state, nn.Module):
+            self._stream(path, state, strict=strict, optimizers=list(self._optimizers))
+            return {}
+        if not state or isinstance(state, Optimizer):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        return self._load_state(path, state, strict=strict, weights_only=weights_only)
+
+    def _load_state(self, path: str | Path | Checkpoint, state: dict[str, Any], strict: bool,
+                    weights_only: bool | None) -> dict[str, Any]:
+        """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
+        with opened(path) as ckpt:  # once: headers, the other entries, then the weights
+            entry, rest = ckpt.entry, ckpt.other_entries()
+            modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+            if entry:
+                key = entry if isinstance(state.get(entry), nn.Module) else None
+            else:  # a bare state dict (safetensors, lit_model.pth): it is the one module's weights
+                key = modules[0] if len(modules) == 1 else None
+            _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
+            optimizers = [*self._optimizers, *(v for v in state.values() if isinstance(v, Optimizer))]
+            if key is not None:
+                self._stream(ckpt, state[key], strict=strict, optimizers=optimizers)
+        for name, obj in state.copy().items():
+            if name == key or name not in rest:
+                continue
+            if isinstance(obj, nn.Module):
+                obj.load_state_dict(rest.pop(name), strict=strict, assign=has_meta(obj))
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(rest.pop(name))
+            else:
+                state[name] = rest.pop(name)
+        return rest
+
+    def _stream(self, path: str | Path | Checkpoint, module: nn.Module, strict: bool,
+                optimizers: list[Optimizer]) -> None:
+        before = dict(module.named_parameters(remove_duplicate=False))
+        report = load_into(module, path, self.options, device=self.root_device, dtype=self.load_dtype, strict=strict,
+                           init_added=self.init_added)
+        self.reports.append(report)
+        remap_optimizer_params(optimizers, before, dict(module.named_parameters(remove_duplicate=False)))

@@ -1,0 +1,77 @@
+"""What the engine asks of litgpt's ``GPT``: cache bytes from litgpt's own builders, activations, RoPE release.
+
+Registered with :func:`~lightning_lowmem.placement.register_architecture` when this
+package is imported (``import lightning_lowmem`` does), so the load, the placement
+plan and the estimate all get the same answers for a litgpt model, or for a module
+holding one (a ``LightningModule`` with ``self.model = GPT(...)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_lowmem.litgpt.guard import release_all_rope
+from lightning_lowmem.litgpt.rope import is_litgpt_like, rope_tables
+from lightning_lowmem.placement import Architecture, CacheBytes, register_architecture
+
+_META = torch.device("meta")
+
+
+class LitgptArchitecture(Architecture):
+    """litgpt's ``GPT``: KV caches, mask and RoPE tables as litgpt builds them; a prefill's activations.
+
+    Example::
+
+        >>> from litgpt import Config
+        >>> from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
+        >>> model = build_meta_gpt(Config.from_name("pythia-1b"))
+        >>> caches = LITGPT.cache_bytes(model, batch_size=1, length=64 + 50, dtype=torch.bfloat16)
+        >>> caches.kv / 2**20  # 2 x 16 layers x 8 heads x 114 positions x 256 x 2 bytes
+        14.25
+    """
+
+    name = "litgpt"
+
+    def matches(self, module: nn.Module) -> bool:
+        return _gpt(module) is not None
+
+    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
+        """k/v from each block's ``build_kv_cache`` (sliding windows, latent attention as litgpt does them),
+        the mask from ``build_mask_cache``, RoPE from ``rope_cache()`` in ``dtype``: all built on meta."""
+        from litgpt.model import build_mask_cache
+
+        gpt = _gpt(module)
+        cos, sin = rope_tables(gpt, length, _META)
+        mask = build_mask_cache(length, device=_META)
+        kv = 0
+        for block in gpt.transformer.h:
+            cache = block.attn.build_kv_cache(batch_size, length, gpt.rope_cache_length(), _META, dtype)
+            kv += (cache.k.numel() + cache.v.numel()) * dtype.itemsize
+        return CacheBytes(kv=kv, mask=mask.numel() * mask.element_size(),
+                          rope=(cos.numel() + sin.numel()) * dtype.itemsize,
+                          length=length, batch_size=batch_size, dtype=dtype)
+
+    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
+        """A prefill of ``tokens`` tokens: ``B x T x (vocab + 4 x n_embd + qkv width + MLP width) x itemsize``
+        + the attention scores ``B x n_head x T x T`` in fp32 + the fp32 logits ``B x T x vocab x 4``
+        (Fabric's precision plugin returns fp32 outputs)."""
+        config = _gpt(module).config
+        qkv = (config.n_head + 2 * config.n_query_groups) * config.head_size
+        mlp_factor = 1 if config.mlp_class_name == "GptNeoxMLP" else 2
+        mlp = getattr(config, "intermediate_size", 4 * config.n_embd) * mlp_factor
+        b, t, vocab = batch_size, tokens, config.padded_vocab_size
+        return (b * t * (vocab + 4 * config.n_embd + qkv + mlp) * dtype.itemsize
+                + b * config.n_head * t * t * 4 + b * t * vocab * 4)
+
+    def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
+        """Drop the RoPE tables to zero rows: they are built when first used, at the length used."""
+        return release_all_rope(module, device)
+
+
+def _gpt(module: nn.Module) -> nn.Module | None:
+    """``module`` itself or the first submodule with litgpt ``GPT``'s internals."""
+    return next((m for m in module.modules() if is_litgpt_like(m)), None)
+
+
+LITGPT = register_architecture(LitgptArchitecture())

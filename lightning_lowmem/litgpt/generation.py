@@ -1,0 +1,240 @@
+"""``generate()``: load a checkpoint directory, size the caches to the request, run litgpt's generate loop.
+
+The notebook entry point and ``examples/generate.py`` go through the same three steps::
+
+    load_for_generation(checkpoint_dir)   # meta build -> stream weights (quantize on load), no cache yet
+    setup_kv_cache(model, 1, prompt + max_new_tokens)
+    litgpt.generate.base.generate(model, prompt, prompt + max_new_tokens, ...)
+
+and report the memory of each: weights, KV cache, mask, RoPE, peak RSS.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.devices import cuda_or_none
+from lightning_lowmem.dtypes import precision_dtype
+from lightning_lowmem.engine import LoadOptions, LoadReport
+from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
+from lightning_lowmem.litgpt.kv_cache import cache_bytes, setup_kv_cache, unwrap_model
+from lightning_lowmem.memory import MemoryMonitor, format_bytes
+from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
+
+
+@dataclass
+class GenerationMemory:
+    """Memory of one :func:`generate` call. Sizes in bytes.
+
+    Attributes:
+        weights: the loaded model's parameters and buffers (after quantization).
+        kv_cache / mask / rope: the generation caches, as sized for the request.
+        load_peak: peak RSS above the start of the call, during the load.
+        peak: peak RSS above the start of the call, over load and generation.
+        rss_start: RSS when the call started (the floor the peaks are measured from).
+        device_peak: peak CUDA memory allocated, or None on CPU.
+    """
+
+    weights: int = 0
+    kv_cache: int = 0
+    mask: int = 0
+    rope: int = 0
+    load_peak: int = 0
+    peak: int = 0
+    rss_start: int = 0
+    device_peak: int | None = None
+
+    def __str__(self) -> str:
+        lines = [f"weights {format_bytes(self.weights)}, KV cache {format_bytes(self.kv_cache)}, "
+                 f"mask {format_bytes(self.mask)}, RoPE {format_bytes(self.rope)}",
+                 f"peak RSS +{format_bytes(self.peak)} above {format_bytes(self.rss_start)} "
+                 f"(load +{format_bytes(self.load_peak)})"]
+        if self.device_peak is not None:
+            lines.append(f"device peak {format_bytes(self.device_peak)}")
+        return "\n".join(lines)
+
+
+@dataclass
+class GenerateResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+        tokens: one tensor per sample: the prompt followed by the new tokens.
+        prompt_length: tokens in the prompt.
+        texts: the decoded samples when a tokenizer was found, else None.
+        seconds: wall time of each sample's generation.
+        memory: weights, caches and peaks.
+        load_report: what the load did, or None when a loaded model was passed.
+    """
+
+    tokens: list[torch.Tensor]
+    prompt_length: int
+    texts: list[str] | None = None
+    seconds: list[float] = field(default_factory=list)
+    memory: GenerationMemory = field(default_factory=GenerationMemory)
+    load_report: LoadReport | None = None
+
+    @property
+    def new_tokens(self) -> list[torch.Tensor]:
+        return [t[self.prompt_length:] for t in self.tokens]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second, over all samples."""
+        total = sum(t.numel() for t in self.new_tokens)
+        return total / sum(self.seconds) if self.seconds and sum(self.seconds) > 0 else 0.0
+
+
+def generation_options(options: LoadOptions | None, precision: str | None, **overrides: Any) -> LoadOptions:
+    """The load options of a generation: ``options`` with the keyword arguments put in, and ``precision``
+    (litgpt's ``--precision``, default ``"bf16-true"``) as the dtype unless the options name one."""
+    options = LoadOptions.merge(options, **overrides)
+    if precision is not None or options.dtype is None:
+        options = LoadOptions.merge(options, dtype=precision_dtype(precision or "bf16-true"))
+    return options
+
+
+def load_for_generation(
+    checkpoint_dir: str | Path,
+    *,
+    options: LoadOptions | None = None,
+    quantize: str | None = None,
+    precision: str | None = None,
+    device: torch.device | str | None = None,
+    config: Any | None = None,
+) -> tuple[nn.Module, Any | None, LoadReport]:
+    """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``."""
+    checkpoint = LitgptCheckpoint.find(checkpoint_dir, config)
+    model, report = load_litgpt(checkpoint, generation_options(options, precision, quantize=quantize, device=device))
+    return model, checkpoint.tokenizer, report
+
+
+def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,
+                  device: torch.device) -> torch.Tensor:
+    """Token ids of ``prompt``: a tokenizer's encoding, or ids given as a list, a tensor or ``'1 2 3'``."""
+    if isinstance(prompt, torch.Tensor):
+        ids = prompt.flatten().to(dtype=torch.int64)
+    elif isinstance(prompt, str) and tokenizer is not None:
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, str):
+        try:
+            ids = torch.tensor([int(tok) for tok in prompt.replace(",", " ").split()], dtype=torch.int64)
+        except ValueError as e:
+            raise ValueError(
+                f"No tokenizer in the checkpoint directory, so the prompt must be token ids like '1 2 3'; "
+                f"got {prompt[:80]!r}. Add tokenizer.json (or tokenizer.model) to the directory, or pass ids."
+            ) from e
+    else:
+        ids = torch.tensor(list(prompt), dtype=torch.int64)
+    if ids.numel() == 0:
+        raise ValueError("The prompt is empty: give at least one token.")
+    return ids.to(device)
+
+
+def generate(
+    checkpoint: str | Path | nn.Module,
+    prompt: str | list[int] | torch.Tensor,
+    *,
+    options: LoadOptions | None = None,
+    max_new_tokens: int = 50,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float = 1.0,
+    quantize: str | None = None,
+    precision: str | None = None,
+    num_samples: int = 1,
+    device: torch.device | str | None = None,
+    config: Any | None = None,
+    tokenizer: Any | None = None,
+    seed: int | None = 1234,
+) -> GenerateResult:
+    """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
+
+    Args:
+        checkpoint: a litgpt checkpoint directory (``lit_model.pth`` + ``model_config.yaml``), an HF-format
+            directory (``model.safetensors``; litgpt config from ``model_config.yaml`` or the directory's
+            name), or an already loaded litgpt ``GPT``.
+        prompt: text (needs a tokenizer in the directory), or token ids (list, tensor, or ``'1 2 3'``).
+        options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
+            ``precision`` override its fields.
+        max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
+        quantize: ``'bnb.nf4'`` etc., applied while loading (see :func:`~lightning_lowmem.load_checkpoint`).
+        precision: ``'bf16-true'`` (default), ``'16-true'`` or ``'32-true'``: the dtype of the load.
+        num_samples: samples generated one after another, reusing the caches.
+        device: where the model runs; default CPU.
+        config: a litgpt ``Config`` overriding the directory's.
+        tokenizer: a litgpt ``Tokenizer`` for a model passed in directly.
+        seed: seeds torch before sampling (litgpt's CLI uses 1234); None leaves the RNG alone.
+
+    Returns:
+        A :class:`GenerateResult`: tokens, texts, timings and a memory summary.
+
+    Example::
+
+        >>> from litgpt import GPT, Config
+        >>> model = GPT(Config.from_name("pythia-14m")).eval()
+        >>> out = generate(model, [1, 2, 3], max_new_tokens=5, temperature=0.0)
+        >>> out.new_tokens[0].shape, out.memory.kv_cache  # 2 x 6 layers x 4 heads x 8 positions x 32 x 4 bytes
+        (torch.Size([5]), 49152)
+
+        With a checkpoint directory: ``generate("checkpoints/EleutherAI/pythia-1b", "What do llamas eat?",
+        max_new_tokens=50, quantize="bnb.nf4")``.
+    """
+    if max_new_tokens < 1 or num_samples < 1:
+        raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}.")
+    import litgpt.generate.base  # noqa: F401  (imported before the monitor starts: its import is no model memory)
+
+    options = generation_options(options, precision, quantize=quantize, device=device)
+    found = None if isinstance(checkpoint, nn.Module) else LitgptCheckpoint.find(checkpoint, config)
+    tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
+    with MemoryMonitor(device=cuda_or_none(options.device)) as monitor:
+        report = None
+        if found is None:
+            model = unwrap_model(checkpoint)
+        else:
+            model, report = load_litgpt(found, options)
+        ids = encode_prompt(prompt, tokenizer, next(model.parameters()).device)
+        result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
+        _run_samples(model, ids, result, tokenizer, max_new_tokens, num_samples, seed,
+                     dict(temperature=temperature, top_k=top_k, top_p=top_p))
+    result.memory = _memory(model, monitor, report)
+    return result
+
+
+def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, tokenizer: Any | None,
+                 max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any]) -> None:
+    from litgpt.generate.base import generate as litgpt_generate
+
+    total = ids.numel() + max_new_tokens
+    eos_id = getattr(tokenizer, "eos_id", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    trim_bnb_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
+    for _ in range(num_samples):
+        setup_kv_cache(model, 1, total)  # the first sample allocates, the others reuse (zeroed)
+        t0 = time.perf_counter()
+        tokens = litgpt_generate(model, ids, total, eos_id=eos_id, **sampling)
+        result.seconds.append(time.perf_counter() - t0)
+        result.tokens.append(tokens)
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(t) for t in result.tokens]
+
+
+def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:
+    caches = cache_bytes(model)
+    usage = monitor.usage
+    weights = report.bytes_loaded if report is not None else _weight_bytes(model)
+    return GenerationMemory(weights=weights, kv_cache=caches.kv, mask=caches.mask, rope=caches.rope,
+                            load_peak=report.memory.rss_peak - usage.rss_start if report is not None else 0,
+                            peak=usage.rss_peak_delta, rss_start=usage.rss_start,
+                            device_peak=usage.device_peak)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

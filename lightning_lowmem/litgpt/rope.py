@@ -1,0 +1,66 @@
+"""litgpt's RoPE tables: built when first needed, at the length asked for, in the model's dtype.
+
+litgpt's ``GPT`` builds its RoPE tables for the whole context in ``__init__``
+(Llama-3.1-8B: 131072 x 128 x 2 fp32 = 128 MiB). Here they are dropped to zero
+rows after a load (:func:`drop_rope`) and built by litgpt's own ``rope_cache()``
+at the length a request needs (:func:`resize_rope`, :func:`set_rope`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def is_litgpt_like(model: nn.Module) -> bool:
+    """Whether ``model`` has litgpt ``GPT``'s RoPE and KV-cache internals (``rope_cache``, ``cos``, ``mask_cache``)."""
+    return (callable(getattr(model, "rope_cache", None)) and hasattr(model, "_max_seq_length")
+            and isinstance(getattr(model, "cos", None), torch.Tensor) and hasattr(model, "mask_cache"))
+
+
+def drop_rope(model: nn.Module, device: torch.device) -> None:
+    """Drop a litgpt model's RoPE tables to zero rows on ``device`` (the cache guard grows them back)."""
+    for name in ("cos", "sin"):
+        table = getattr(model, name)
+        setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=table.dtype, device=device))
+
+
+def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Set ``model.max_seq_length = length`` with RoPE tables of exactly ``length`` rows in ``dtype`` on ``device``."""
+    if not is_litgpt_like(model):
+        model.max_seq_length = length
+        for name in ("cos", "sin"):
+            table = getattr(model, name, None)
+            if isinstance(table, torch.Tensor):
+                setattr(model, name, table.to(device=device, dtype=dtype))
+        return
+    drop_rope(model, device)  # the old tables go before the new ones are computed
+    set_rope(model, length, device, dtype)
+    set_max_seq_length(model, length)
+
+
+def rope_tables(model: nn.Module, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """litgpt's own ``rope_cache()`` at ``rows`` positions (on the meta device: shapes only), the model untouched."""
+    saved = model._max_seq_length
+    model._max_seq_length = rows  # rope_cache() reads the length from here
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            return model.rope_cache(device=device)
+    finally:
+        model._max_seq_length = saved
+
+
+def set_rope(model: nn.Module, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+    """The model's RoPE tables at ``rows`` positions, computed outside inference mode (so training can use them)."""
+    cos, sin = rope_tables(model, rows, device)
+    with torch.inference_mode(False), torch.no_grad():
+        model.cos, model.sin = cos.to(dtype), sin.to(dtype)
+
+
+def set_max_seq_length(model: nn.Module, length: int) -> None:
+    """Through litgpt's setter, with the mask hidden so that it does not print a warning about the KV cache."""
+    mask, model.mask_cache = model.mask_cache, None
+    try:
+        model.max_seq_length = length
+    finally:
+        model.mask_cache = mask

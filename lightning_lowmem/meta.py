@@ -1,0 +1,143 @@
+"""Modules on the meta device: building them without storage, filling them, and undoing a fill.
+
+:func:`init_empty` builds parameters on the meta device (no memory, no random
+init) while keeping buffers real: RoPE tables, position ids and masks computed
+in ``__init__`` are not in checkpoints, and on meta they would be lost
+(transformers#34234, accelerate#3668). They are small next to the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lightning_lowmem.errors import MetaTensorError, format_names
+
+
+@contextlib.contextmanager
+def init_empty(include_buffers: bool = False) -> Iterator[None]:
+    """Build modules with parameters on the meta device and real (CPU) buffers.
+
+    Args:
+        include_buffers: put buffers on meta too (everything must then come from
+            the checkpoint or be recomputable, see :func:`recompute_meta_buffers`).
+
+    Example::
+
+        >>> from lightning_lowmem import init_empty
+        >>> with init_empty():
+        ...     layer = torch.nn.Linear(4096, 4096)
+        >>> layer.weight.device
+        device(type='meta')
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            # Parameter(torch.empty(...)) reserves but never touches its pages: this costs no RSS.
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    context = torch.device("meta") if include_buffers else contextlib.nullcontext()
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        with context:
+            yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The submodule that holds tensor ``name`` and the tensor's local name."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def assign(module: nn.Module, names: list[str], tensor: torch.Tensor, is_parameter: bool) -> None:
+    """Put ``tensor`` under every name in ``names`` (tied names share one object)."""
+    owner, leaf = owner_of(module, names[0])
+    if is_parameter:
+        old = owner._parameters[leaf]
+        if old is not None and not old.is_meta and old.device == tensor.device and old.dtype == tensor.dtype:
+            old.data = tensor  # keep the Parameter object: optimizers and ties refer to it
+            return
+        value: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad if old is not None else True)
+    else:
+        value = tensor
+    for name in names:
+        owner, leaf = owner_of(module, name)
+        (owner._parameters if is_parameter else owner._buffers)[leaf] = value
+
+
+def recompute_meta_buffers(module: nn.Module, device: torch.device) -> list[str]:
+    """Rebuild non-persistent buffers left on meta by modules that know how.
+
+    A module that owns such buffers and no parameters of its own, and has
+    ``reset_parameters()`` (litgpt's ``GPT``: its RoPE ``cos``/``sin``), gets
+    its buffers allocated on ``device`` and ``reset_parameters()`` called:
+    with no parameters of its own, that call only recomputes derived state.
+
+    Returns:
+        The names of the buffers rebuilt.
+    """
+    rebuilt = []
+    for name, mod in module.named_modules():
+        meta = [n for n, b in mod._buffers.items()
+                if b is not None and b.is_meta and n in mod._non_persistent_buffers_set]
+        if not meta or mod._parameters or not callable(getattr(mod, "reset_parameters", None)):
+            continue
+        for n in meta:
+            mod._buffers[n] = torch.empty_like(mod._buffers[n], device=device)
+        mod.reset_parameters()
+        rebuilt += [f"{name}.{n}" if name else n for n in meta]
+    return rebuilt
+
+
+def back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
+    """Put the tensors named in ``loaded`` (each entry: one tensor's tied names) back on meta.
+
+    A load that fails half way calls this, so that a module is never handed back half loaded
+    while looking loaded.
+    """
+    for names in loaded:
+        for name in names:
+            owner, leaf = owner_of(module, name)
+            table = owner._parameters if leaf in owner._parameters else owner._buffers
+            old = table[leaf]
+            if old is not None:
+                meta = old.detach().to("meta")
+                table[leaf] = nn.Parameter(meta, requires_grad=old.requires_grad) if leaf in owner._parameters else meta
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device.
+
+    Example::
+
+        >>> with init_empty():
+        ...     layer = torch.nn.Linear(2, 2)
+        >>> has_meta(layer)
+        True
+    """
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def meta_tensor_names(module: nn.Module) -> list[str]:
+    """Names of every parameter and buffer of ``module`` still on the meta device."""
+    names = [n for n, p in module.named_parameters() if p.is_meta]
+    return names + [n for n, b in module.named_buffers() if b.is_meta]
+
+
+def check_no_meta(module: nn.Module, context: str) -> None:
+    """Raise :class:`MetaTensorError` if anything of ``module`` is still on meta."""
+    left = meta_tensor_names(module)
+    if left:
+        raise MetaTensorError(
+            f"{context}: {len(left)} tensors are still on the meta device: {format_names(left)}. "
+            "They were not in the checkpoint and could not be recomputed. Load a checkpoint that has them, "
+            "or build the module inside lightning_lowmem.init_empty() so that buffers computed in __init__ "
+            "stay real."
+        )

@@ -1,0 +1,125 @@
+"""What a model family needs at run time beyond its weights, asked by the load, the placement plan and the estimate.
+
+A checkpoint's headers give the weights' bytes; they do not say what a forward
+keeps beside them (KV caches, a causal mask, RoPE tables), what its activations
+take, or which buffers computed in ``__init__`` a load should release first.
+An :class:`Architecture` answers those for one model family; :func:`architecture_of`
+gives the registered one that recognises a module, else :data:`GENERIC`.
+
+The engine knows no model family by name: the litgpt face registers litgpt's
+``GPT`` (:mod:`lightning_lowmem.litgpt.architecture`) when it is imported, as
+``import lightning_lowmem`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.placement.layers import find_blocks, layer_name
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a model's generation caches occupy (or will). Sizes in bytes.
+
+    Attributes:
+        kv: every layer's k and v caches.
+        mask: the causal mask cache.
+        rope: the RoPE ``cos`` and ``sin`` tables.
+        length: positions the caches hold (0 without a cache).
+        batch_size: sequences the k/v caches hold (0 without a cache).
+        dtype: the k/v dtype, or None without a cache.
+    """
+
+    kv: int = 0
+    mask: int = 0
+    rope: int = 0
+    length: int = 0
+    batch_size: int = 0
+    dtype: torch.dtype | None = None
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.mask + self.rope
+
+    def __str__(self) -> str:
+        return (f"KV cache {format_bytes(self.kv)} ({self.batch_size} x {self.length} positions, {self.dtype}), "
+                f"mask {format_bytes(self.mask)}, RoPE {format_bytes(self.rope)}")
+
+
+class Architecture:
+    """The answers for any ``nn.Module``; a model family overrides what it knows better.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 16))
+        >>> GENERIC.activation_bytes(model, batch_size=1, tokens=8, dtype=torch.float32)  # the widest: 64 features
+        2048
+    """
+
+    name = "generic"
+
+    def matches(self, module: nn.Module) -> bool:
+        """Whether ``module`` (the root being loaded or placed) is of this family."""
+        return True
+
+    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
+        """The caches a generation of ``length`` positions keeps; none are known for a generic module."""
+        return CacheBytes()
+
+    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
+        """A conservative estimate of the activations of a forward of ``tokens`` tokens.
+
+        Per layer (a block of the model's first ``nn.ModuleList``, or another top-level module):
+        every output of its ``nn.Linear`` / ``nn.Embedding`` modules alive at once
+        (``batch x tokens x width x itemsize``), plus, for a block of a model whose config has
+        ``n_head``, the attention scores ``batch x n_head x tokens^2`` in fp32 (the math attention
+        kernel materializes them). The widest layer counts.
+        """
+        blocks = find_blocks(module)
+        layers: dict[str, bool] = {}
+        for name, _ in module.named_parameters():
+            layer, is_block, _ = layer_name(name, blocks)
+            layers[layer] = is_block
+        n_head = getattr(getattr(module, "config", None), "n_head", None)
+        widest = 0
+        for layer, is_block in layers.items():
+            scores = batch_size * n_head * tokens * tokens * 4 if is_block and isinstance(n_head, int) else 0
+            width = _width(module.get_submodule(layer) if layer else module)
+            widest = max(widest, batch_size * tokens * width * dtype.itemsize + scores)
+        return widest
+
+    def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
+        """Release buffers that are rebuilt when first used (none for a generic module); returns their names."""
+        return []
+
+
+def _width(module: nn.Module) -> int:
+    """Output features of every ``nn.Linear`` and ``nn.Embedding`` under ``module``."""
+    width = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            width += sub.out_features
+        elif isinstance(sub, nn.Embedding):
+            width += sub.embedding_dim
+    return width
+
+
+GENERIC = Architecture()
+_REGISTERED: list[Architecture] = []
+
+
+def register_architecture(architecture: Architecture) -> Architecture:
+    """Ask ``architecture`` first about the modules it matches (registering the same type again replaces it)."""
+    _REGISTERED[:] = [a for a in _REGISTERED if type(a) is not type(architecture)]
+    _REGISTERED.insert(0, architecture)
+    return architecture
+
+
+def architecture_of(module: nn.Module) -> Architecture:
+    """The registered architecture that matches ``module``, else :data:`GENERIC`."""
+    return next((a for a in _REGISTERED if a.matches(module)), GENERIC)

@@ -1,0 +1,245 @@
+"""Placement: which layer goes to which device under the budgets, from the load plan alone.
+
+The execution device (see :mod:`.budgets`) first reserves room for what a forward
+needs besides the weights:
+
+    caches       KV cache + mask + RoPE tables for ``batch_size x context`` tokens
+                 (the model's :class:`~.architectures.Architecture`; or ``kv_cache_bytes=``)
+    activations  a forward's activations (the same architecture; or ``activation_bytes=``)
+    streaming    room for the layers streamed in from the CPU: the largest offloaded layer,
+                 plus the second largest when the next one is prefetched while the current one computes
+
+Layers (whole transformer blocks, see :mod:`.layers`) then take the rest of the
+accelerator in module order; a layer that does not fit goes to the CPU, whose
+budget holds the offloaded weights (the master copies that :mod:`.offload`
+streams in). Each layer's bytes are its targets' ``final_nbytes``: the target
+dtype, quantized exactly where the load quantizes. The plan is arithmetic:
+device names need not exist on this machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_lowmem.errors import MemoryBudgetError
+from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.placement.budgets import Budgets
+from lightning_lowmem.placement.layers import Layer, group_layers
+from lightning_lowmem.plan import LoadPlan
+
+
+@dataclass
+class PlacementPlan:
+    """Where each layer goes, and the bytes that puts on each device. ``str(plan)`` is a table.
+
+    Attributes:
+        layers: every layer in module order, each with its ``device``.
+        budgets: device -> bytes allowed, execution device first.
+        execution_device: where every layer runs (offloaded ones are streamed in).
+        offload_device: ``'cpu'`` when layers may be offloaded there, else None.
+        cache_bytes: KV cache, mask and RoPE bytes reserved on the execution device.
+        activation_bytes: activation bytes reserved on the execution device.
+        stream_buffers: offloaded layers the execution device holds at once: 0 (none
+            offloaded), 1, or 2 (the next one is prefetched while the current one computes).
+        context: tokens the caches were sized for (None: no cache reserved).
+        batch_size: batch the caches and activations were sized for.
+        quantize: the scheme the weight bytes assume.
+    """
+
+    layers: list[Layer]
+    budgets: dict[str, int]
+    execution_device: str
+    offload_device: str | None
+    cache_bytes: int = 0
+    activation_bytes: int = 0
+    stream_buffers: int = 0
+    context: int | None = None
+    batch_size: int = 1
+    quantize: str | None = None
+    _device_of: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def offloaded(self) -> list[Layer]:
+        """The layers kept on the CPU and streamed to the execution device for their forward."""
+        if self.offload_device is None:
+            return []
+        return [layer for layer in self.layers if layer.device == self.offload_device]
+
+    @property
+    def stream_bytes(self) -> int:
+        """Room reserved on the execution device for streamed-in layers: the ``stream_buffers`` largest."""
+        sizes = sorted((layer.nbytes for layer in self.offloaded), reverse=True)
+        return sum(sizes[:self.stream_buffers])
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether the budget leaves room to prefetch the next offloaded layer."""
+        return self.stream_buffers >= 2
+
+    def weights_per_device(self) -> dict[str, int]:
+        """Weight bytes the plan puts on each device."""
+        out = dict.fromkeys(self.budgets, 0)
+        for layer in self.layers:
+            out[layer.device] += layer.nbytes
+        return out
+
+    def reserved_per_device(self) -> dict[str, int]:
+        """Bytes reserved beside the weights: caches, activations and streaming room."""
+        out = dict.fromkeys(self.budgets, 0)
+        out[self.execution_device] = self.cache_bytes + self.activation_bytes + self.stream_bytes
+        return out
+
+    def used_per_device(self) -> dict[str, int]:
+        """Weights plus reserved bytes on each device: never above its budget."""
+        weights, reserved = self.weights_per_device(), self.reserved_per_device()
+        return {device: weights[device] + reserved[device] for device in self.budgets}
+
+    def device_of(self, tensor_name: str) -> torch.device:
+        """The device the plan gives the tensor ``tensor_name`` (any of its tied names)."""
+        if not self._device_of:
+            self._device_of = {name: layer.device for layer in self.layers for name in layer.tensors}
+        return torch.device(self._device_of[tensor_name])
+
+    def __str__(self) -> str:
+        weights, reserved, used = self.weights_per_device(), self.reserved_per_device(), self.used_per_device()
+        ctx = f"context {self.context} x batch {self.batch_size}" if self.context else "no KV cache reserved"
+        lines = [f"Placement plan ({ctx}, quantize={self.quantize}); layers run on {self.execution_device}",
+                 f"  {'device':<10}{'budget':>12}{'weights':>12}{'reserved':>12}{'used':>12}"]
+        for device, budget in self.budgets.items():
+            lines.append(f"  {device:<10}{format_bytes(budget):>12}{format_bytes(weights[device]):>12}"
+                         f"{format_bytes(reserved[device]):>12}{format_bytes(used[device]):>12}")
+        lines.append(f"  reserved on {self.execution_device}: caches {format_bytes(self.cache_bytes)}, activations "
+                     f"{format_bytes(self.activation_bytes)}, streaming {format_bytes(self.stream_bytes)} "
+                     + (f"(the {self.stream_buffers} largest offloaded layers"
+                        f"{', for prefetch' if self.prefetch else ''})" if self.stream_buffers else "(none offloaded)"))
+        lines += [f"  {name:<34}{size:>22}  {device}" for name, size, device in _runs(self.layers)]
+        return "\n".join(lines)
+
+
+def _runs(layers: list[Layer]) -> list[tuple[str, str, str]]:
+    """Table rows, consecutive blocks with the same size and device folded into one row."""
+    rows: list[tuple[str, str, str]] = []
+    run: list[Layer] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            rows.append((run[0].name, format_bytes(run[0].nbytes), run[0].device))
+        elif run:
+            prefix = run[0].name.rpartition(".")[0]
+            name = f"{prefix}.{run[0].name.rpartition('.')[2]}-{run[-1].name.rpartition('.')[2]}"
+            rows.append((name, f"{len(run)} x {format_bytes(run[0].nbytes)}", run[0].device))
+        run.clear()
+
+    for layer in layers:
+        if run and not (layer.is_block and run[-1].is_block and layer.nbytes == run[-1].nbytes
+                        and layer.device == run[-1].device):
+            flush()
+        run.append(layer)
+    flush()
+    return rows
+
+
+def place_layers(
+    module: nn.Module,
+    plan: LoadPlan,
+    budgets: Budgets,
+    *,
+    cache_bytes: int = 0,
+    activation_bytes: int = 0,
+    context: int | None = None,
+    batch_size: int = 1,
+    quantize: str | None = None,
+) -> PlacementPlan:
+    """Place the layers of ``plan`` within ``budgets``, reserving ``cache_bytes`` and ``activation_bytes``
+    on the execution device; writes each target's device into ``plan``.
+
+    Raises:
+        MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
+            model does not fit in all budgets together; ``.needed`` and ``.available`` are bytes.
+    """
+    placement = PlacementPlan(group_layers(module, plan), dict(budgets.bytes), budgets.execution_device,
+                              budgets.offload_device, cache_bytes=cache_bytes, activation_bytes=activation_bytes,
+                              context=context, batch_size=batch_size, quantize=quantize)
+    _check_one_layer_fits(placement)
+    try:
+        _assign(placement, buffers=2)
+    except MemoryBudgetError:
+        _assign(placement, buffers=1)  # no room to prefetch: stream one layer at a time
+    for target in plan.targets:
+        target.device = placement.device_of(target.names[0])
+    return placement
+
+
+def _check_one_layer_fits(p: PlacementPlan) -> None:
+    """Fail early when the execution device cannot run even the largest layer with its caches."""
+    fixed = sum(layer.nbytes for layer in p.layers if not layer.movable)
+    largest = max((layer for layer in p.layers if layer.movable), key=lambda layer: layer.nbytes, default=None)
+    needed = p.cache_bytes + p.activation_bytes + fixed + (largest.nbytes if largest is not None else 0)
+    available = p.budgets[p.execution_device]
+    if needed > available:
+        what = f"its largest layer {largest.name!r} ({format_bytes(largest.nbytes)})" if largest else "its layers"
+        raise MemoryBudgetError(
+            f"max_memory[{p.execution_device!r}] = {format_bytes(available)} cannot hold one layer plus its cache: "
+            f"{what}, KV cache/mask/RoPE for {p.context or 0} tokens x batch {p.batch_size} "
+            f"({format_bytes(p.cache_bytes)}), activations ({format_bytes(p.activation_bytes)})"
+            + (f" and tensors that cannot be offloaded ({format_bytes(fixed)})" if fixed else "")
+            + f" need {format_bytes(needed)} ({needed} bytes), available {available} bytes. "
+            "Raise the budget, shorten the context, or quantize (e.g. quantize='bnb.nf4').",
+            needed=needed, available=available)
+
+
+def _assign(p: PlacementPlan, buffers: int) -> None:
+    """Keep the most weight bytes on the execution device; the rest goes to the CPU.
+
+    The streaming room depends on the largest offloaded layer, so each distinct layer
+    size ``s`` is tried as a cap: layers above ``s`` must stay, the others fill what is
+    left in module order, and ``buffers x s`` is reserved for streaming. The cap that
+    keeps the most bytes resident wins. Raise when no cap fits the budgets.
+    """
+    caps = sorted({0} | {layer.nbytes for layer in p.layers if layer.movable})
+    best: tuple[int, int] | None = None  # (resident bytes, cap)
+    least_over: tuple[int, int] = (-1, caps[-1])  # (bytes over budget, cap)
+    for cap in caps:
+        over = _fill(p, buffers, cap)
+        resident = p.weights_per_device()[p.execution_device]
+        if over == 0 and (best is None or resident > best[0]):
+            best = (resident, cap)
+        elif over and (least_over[0] < 0 or over < least_over[0]):
+            least_over = (over, cap)
+    if best is not None:
+        _fill(p, buffers, best[1])
+        return
+    _fill(p, buffers, least_over[1])
+    used = p.used_per_device()
+    over = [d for d, b in p.budgets.items() if used[d] > b]
+    needed, available = sum(used[d] for d in over), sum(p.budgets[d] for d in over)
+    raise MemoryBudgetError(
+        "The model does not fit in max_memory: "
+        + ", ".join(f"{d} needs {format_bytes(used[d])} of {format_bytes(p.budgets[d])}" for d in over)
+        + f" (weights {format_bytes(sum(layer.nbytes for layer in p.layers))} in all; needed {needed} bytes, "
+        f"available {available} bytes). Raise the budgets"
+        + (", add 'cpu' to max_memory to offload layers" if p.offload_device is None else "")
+        + " or quantize (e.g. quantize='bnb.nf4').", needed=needed, available=available)
+
+
+def _fill(p: PlacementPlan, buffers: int, cap: int) -> int:
+    """Place every layer with offloaded layers capped at ``cap`` bytes; return the bytes over budget."""
+    free = p.budgets[p.execution_device] - p.cache_bytes - p.activation_bytes - buffers * cap
+    stay = {id(layer) for layer in p.layers if not layer.movable or layer.nbytes > cap or p.offload_device is None}
+    for layer in p.layers:
+        if id(layer) in stay:
+            layer.device = p.execution_device
+            free -= layer.nbytes
+    for layer in p.layers:
+        if id(layer) in stay:
+            continue
+        fits = layer.nbytes <= free
+        layer.device = p.execution_device if fits else p.offload_device
+        free -= layer.nbytes if fits else 0
+    p.stream_buffers = buffers if p.offloaded else 0
+    p._device_of = {}
+    used = p.used_per_device()
+    return sum(max(0, used[d] - b) for d, b in p.budgets.items())

@@ -1,0 +1,22 @@
+"""The load plan: which module tensor comes from which checkpoint key(s), in what dtype, on what device.
+
+Built from headers alone (``formats``), before any weight is read; the later stages
+(quantization, placement) fill in what they decide on the same plan, and the
+streaming loop, the placement plan and the estimate all read it.
+"""
+
+from lightning_lowmem.plan.combine import Combine
+from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
+from lightning_lowmem.plan.plan import LoadPlan, Target, apply_dtype_fallback, make_plan, module_records
+
+__all__ = [
+    "Combine",
+    "KeyMap",
+    "LoadPlan",
+    "Target",
+    "apply_dtype_fallback",
+    "apply_key_map",
+    "guess_prefix",
+    "make_plan",
+    "module_records",
+]

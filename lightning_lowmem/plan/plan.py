@@ -1,0 +1,268 @@
+"""Matching a module to a checkpoint from headers alone, before any weight is read.
+
+The plan lists, in module order, every tensor to load: the module names it goes
+to (several when weights are tied), the checkpoint record it comes from (or the
+records a :class:`~lightning_lowmem.plan.combine.Combine` builds it from), the
+dtype and device it will have, and the scheme it is stored in once quantized.
+Missing keys, unexpected keys and shape mismatches are found here, so a bad
+checkpoint fails before a byte is read. Later stages fill in what they decide:
+quantization (:attr:`Target.scheme`), placement (:attr:`Target.device`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.errors import CheckpointMismatchError, format_names
+from lightning_lowmem.formats.records import TensorRecord
+from lightning_lowmem.plan.combine import Combine, combined_record
+from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
+
+log = logging.getLogger(__name__)
+
+
+class StoredSize(Protocol):
+    """What a quantization scheme tells the plan: the bytes it stores for a weight of a given shape."""
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int: ...
+
+
+@dataclass
+class Target:
+    """One tensor of the module and where its data comes from.
+
+    Attributes:
+        names: every module name of this tensor (tied weights share one target).
+        record: the checkpoint record that fills it; for a combined tensor, a record of the result
+            (named after the module tensor, shape and dtype from ``Combine.fn`` on meta).
+        is_parameter: parameter (True) or persistent buffer (False).
+        dtype: the dtype it gets (before quantization).
+        device: the device it goes to.
+        parts: the checkpoint records a ``Combine`` builds it from; empty: ``record`` is read.
+        scheme: the quantization scheme its weight is stored in, or None (full precision).
+    """
+
+    names: list[str]
+    record: TensorRecord
+    is_parameter: bool
+    dtype: torch.dtype
+    device: torch.device
+    parts: tuple[TensorRecord, ...] = ()
+    scheme: StoredSize | None = None
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes read from the checkpoint for this tensor."""
+        return sum(r.nbytes for r in self.parts) if self.parts else self.record.nbytes
+
+    @property
+    def cast_nbytes(self) -> int:
+        """Bytes of the tensor in its target dtype, before quantization."""
+        return self.record.numel * self.dtype.itemsize
+
+    @property
+    def final_nbytes(self) -> int:
+        """Bytes the tensor holds once loaded: quantized when it has a scheme."""
+        return self.scheme.stored_nbytes(self.record.shape) if self.scheme is not None else self.cast_nbytes
+
+
+@dataclass
+class LoadPlan:
+    """What a load will do. Built by :func:`make_plan`.
+
+    Attributes:
+        targets: every tensor to load, in module order.
+        missing: module tensors the checkpoint does not fill.
+        unexpected: checkpoint keys with no place in the module.
+        prefix_note: the key prefix that was guessed, if any.
+        absent: a combined tensor's part that is not in the checkpoint -> that tensor.
+        files: the checkpoint's files, for messages.
+    """
+
+    targets: list[Target]
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    prefix_note: str = ""
+    absent: dict[str, str] = field(default_factory=dict)
+    files: str = "the checkpoint"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read from the checkpoint."""
+        return sum(t.read_nbytes for t in self.targets)
+
+    @property
+    def final_nbytes(self) -> int:
+        """Bytes of the loaded tensors: target dtypes, quantized where a target has a scheme."""
+        return sum(t.final_nbytes for t in self.targets)
+
+    def target_of(self, name: str) -> Target | None:
+        """The target that fills module tensor ``name`` (any of its tied names), or None."""
+        return next((t for t in self.targets if name in t.names), None)
+
+    def check_keys(self, strict: bool, allowed_missing: frozenset[str] = frozenset()) -> None:
+        """With ``strict``, raise :class:`CheckpointMismatchError` for missing (beyond ``allowed_missing``)
+        or unexpected keys."""
+        missing = [name for name in self.missing if name not in allowed_missing]
+        if strict and (missing or self.unexpected):
+            raise CheckpointMismatchError(mismatch_message(self, missing))
+
+
+def make_plan(
+    module: nn.Module,
+    records: Mapping[str, TensorRecord],
+    *,
+    key_map: KeyMap | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    combine: Combine | None = None,
+    files: str = "the checkpoint",
+) -> LoadPlan:
+    """Match ``module`` with the checkpoint ``records`` and decide dtype and device of each tensor.
+
+    A module tensor that no checkpoint key maps to is built by ``combine`` when it names it.
+    Missing and unexpected keys are listed in the plan (:meth:`LoadPlan.check_keys` decides).
+
+    Raises:
+        CheckpointMismatchError: a tensor's shape differs from the module's.
+    """
+    groups = _module_tensors(module)
+    by_name = {name: gid for gid, (names, _, _) in groups.items() for name in names}
+    prefix_note = ""
+    if key_map is None:
+        key_map, prefix_note = guess_prefix(set(by_name), list(records))
+        if prefix_note:
+            log.info("Checkpoint keys do not match the module's; %s", prefix_note)
+    source, unexpected = _match_keys(records, key_map, by_name)
+    plan = LoadPlan([], prefix_note=prefix_note, files=files)
+    bad_shapes: list[str] = []
+    used: set[str] = set()
+    for gid, (names, tensor, is_param) in groups.items():
+        rec, parts = source.get(gid), ()
+        if rec is None and combine is not None:
+            rec, parts = _combined(plan, names, combine, records, bad_shapes)
+            used.update(p.key for p in parts)
+        if rec is None:
+            plan.missing.append(names[0])
+        elif rec.shape != tuple(tensor.shape):
+            origin = f"built from {format_names([p.key for p in parts])}" if parts else f"in {rec.file.name}"
+            bad_shapes.append(f"{rec.key!r} {origin}: checkpoint {list(rec.shape)}, "
+                              f"module {names[0]!r} {list(tensor.shape)}")
+        else:
+            plan.targets.append(Target(names, rec, is_param, _target_dtype(tensor, rec, dtype),
+                                       _target_device(tensor, device), parts))
+    plan.unexpected = [key for key in unexpected if key not in used]
+    if bad_shapes:
+        raise CheckpointMismatchError(
+            f"{len(bad_shapes)} tensors of {files} do not have the module's shape: "
+            f"{format_names(bad_shapes, quote=False, sep='; ')}. The checkpoint is for a different model "
+            "configuration: build the module with the config the checkpoint was saved with."
+        )
+    return plan
+
+
+def _module_tensors(module: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
+    """Parameters and persistent buffers in module order, grouped by identity (ties)."""
+    groups: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        own = [(n, p, True) for n, p in mod._parameters.items() if p is not None]
+        own += [(n, b, False) for n, b in mod._buffers.items()
+                if b is not None and n not in mod._non_persistent_buffers_set]
+        for name, tensor, is_param in own:
+            groups.setdefault(id(tensor), ([], tensor, is_param))[0].append(prefix + name)
+    return groups
+
+
+def module_records(module: nn.Module) -> dict[str, TensorRecord]:
+    """Records of ``module``'s own parameters and persistent buffers, as if it were its own checkpoint."""
+    return {name: TensorRecord(name, tuple(t.shape), t.dtype, Path("<module>"))
+            for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _match_keys(records: Mapping[str, TensorRecord], key_map: KeyMap | None,
+                by_name: dict[str, int]) -> tuple[dict[int, TensorRecord], list[str]]:
+    """Module tensor (by group id) -> the record that fills it, and the keys that fill none.
+
+    A key the key map sends to None is dropped on purpose: it is neither loaded nor unexpected.
+    """
+    source: dict[int, TensorRecord] = {}
+    unexpected: list[str] = []
+    for key, rec in records.items():
+        name = apply_key_map(key, key_map)
+        if name is None:
+            continue
+        gid = by_name.get(name)
+        if gid is None:
+            unexpected.append(key)
+        elif gid not in source:  # tied names saved twice: load once
+            source[gid] = rec
+    return source, unexpected
+
+
+def _combined(plan: LoadPlan, names: list[str], combine: Combine, records: Mapping[str, TensorRecord],
+              bad_shapes: list[str]) -> tuple[TensorRecord | None, tuple[TensorRecord, ...]]:
+    """The record ``combine`` builds for ``names`` and its parts; notes absent parts and bad shapes."""
+    found = combined_record(combine, names, records)
+    plan.absent.update(dict.fromkeys(found.absent, names[0]))
+    if found.error:
+        bad_shapes.append(found.error)
+    return found.record, found.parts
+
+
+def mismatch_message(plan: LoadPlan, missing: list[str] | None = None) -> str:
+    """What does not fit: ``missing`` (default: the plan's) and unexpected keys, and what to do."""
+    missing = plan.missing if missing is None else missing
+    absent = [f"{key!r} for {name!r}" for key, name in plan.absent.items() if name in missing]
+    parts = [f"{plan.files} does not match the module:"]
+    if missing:
+        parts.append(f"{len(missing)} module tensors are missing from it ({format_names(missing)});")
+    if absent:
+        parts.append(f"{len(absent)} keys they are built from are not in it ({format_names(absent, quote=False)}): "
+                     "the checkpoint is incomplete (fetch the missing files again) or of another model;")
+    if plan.unexpected:
+        parts.append(f"{len(plan.unexpected)} checkpoint keys have no place in the module "
+                     f"({format_names(plan.unexpected)}).")
+    if plan.prefix_note:
+        parts.append(f"(A key prefix was guessed: {plan.prefix_note}.)")
+    parts.append("Pass key_map= to rename checkpoint keys (e.g. {'model.': ''}), or strict=False to load what "
+                 "matches and list the rest in the report.")
+    return " ".join(parts)
+
+
+def apply_dtype_fallback(plan: LoadPlan) -> dict[str, torch.dtype]:
+    """Turn every bf16 target of ``plan`` bound for a device without bf16 into fp16, warning once per device.
+
+    Returns:
+        Device -> the dtype bf16 tensors get there, for each device that fell back.
+    """
+    decided: dict[str, torch.dtype] = {}
+    for target in plan.targets:
+        if target.dtype != torch.bfloat16:
+            continue
+        key = str(target.device)
+        if key not in decided:
+            decided[key] = fallback_dtype(target.dtype, target.device)
+        target.dtype = decided[key]
+    return {device: dtype for device, dtype in decided.items() if dtype != torch.bfloat16}
+
+
+def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` for floating tensors when given, else the module tensor's own dtype."""
+    if not rec.dtype.is_floating_point or not tensor.dtype.is_floating_point:
+        return tensor.dtype
+    return dtype if dtype is not None else tensor.dtype
+
+
+def _target_device(tensor: torch.Tensor, device: torch.device | None) -> torch.device:
+    if device is not None:
+        return device
+    return torch.device("cpu") if tensor.is_meta else tensor.device
