@@ -24,7 +24,6 @@ import contextlib
 import io
 import json
 import os
-import platform
 import re
 import runpy
 import subprocess
@@ -32,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, WORKDIR, MiB, environment, markdown, peak_rss, random_state, run_fresh
+
 PATHS = ("litgpt-cli", "litgpt-api", "litgpt-api-patched", "script", "entry-point")
 PROMPT_TOKENS, NEW_TOKENS = 64, 50
-MiB = 2**20
 
 
 def prompt_text() -> str:
@@ -43,29 +42,21 @@ def prompt_text() -> str:
 
 
 def write_checkpoint(directory: Path, model_name: str) -> None:
-    """A litgpt checkpoint directory with random bf16 weights and a word-level tokenizer."""
+    """A litgpt checkpoint directory with random bf16 weights (``common.random_state``) and a word-level tokenizer."""
     import torch
-    from litgpt import GPT, Config
+    from litgpt import Config
     from litgpt.utils import save_config
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     directory.mkdir(parents=True, exist_ok=True)
     config = Config.from_name(model_name)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    model = GPT(config)
-    torch.save(model.state_dict(), directory / "lit_model.pth")
+    torch.save(random_state(model_name), directory / "lit_model.pth")
     save_config(config, directory)
     tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.padded_vocab_size)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                                  "add_bos_token": False}))
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 def _ids(text: str) -> list[int]:
@@ -101,7 +92,7 @@ def child(path: str, directory: Path, quantize: str | None) -> dict:
     else:
         out.update(_run_cli(path, directory, quantize))
     out["kv"] = kv_seen[0] if kv_seen else 0
-    out["peak_rss"] = _peak_rss()
+    out["peak_rss"] = peak_rss()
     return out
 
 
@@ -145,15 +136,9 @@ def _run_cli(path: str, directory: Path, quantize: str | None) -> dict:
 
 
 def run_child(path: str, directory: Path, quantize: str | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", path, "--workdir", str(directory.parent),
-           "--quantize", quantize or "none"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"path": path, "error": tail[:160]}
-    return json.loads(lines[-1])
+    result = run_fresh(__file__, ["--child", path, "--workdir", str(directory.parent), "--model", directory.name,
+                                  "--quantize", quantize or "none"])
+    return {"path": path, **result}
 
 
 def estimate(directory: Path, quantize: str | None) -> int:
@@ -166,30 +151,31 @@ def estimate(directory: Path, quantize: str | None) -> int:
 
 def table(rows: list[dict], quantize: str | None, floor: int, est: int) -> str:
     ref = next((r["new"] for r in rows if "new" in r and r["path"] == "litgpt-cli"), None)
-    lines = [f"\n### {quantize or 'bf16'}: estimate {est / MiB:.0f} MiB above the import floor "
-             f"(floor: `import torch, litgpt, lightning_lowmem` = {floor / MiB:.0f} MiB)\n",
-             "| path | peak RSS (MiB) | peak - floor (MiB) | KV cache (MiB) | tokens/s | same tokens as CLI |",
-             "|---|---|---|---|---|---|"]
+    out = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error']} | | | | |")
+            out.append([r["path"], f"failed: {r['error']}", "", "", "", ""])
             continue
         same = "yes" if ref is not None and r["new"] == ref else ("-" if ref is None else "no")
-        lines.append(f"| {r['path']} | {r['peak_rss'] / MiB:.0f} | {(r['peak_rss'] - floor) / MiB:.0f} | "
-                     f"{r['kv'] / MiB:.2f} | {r['tokens_per_s']:.1f} | {same} |")
-    return "\n".join(lines)
+        out.append([r["path"], f"{r['peak_rss'] / MiB:.0f}", f"{(r['peak_rss'] - floor) / MiB:.0f}",
+                    f"{r['kv'] / MiB:.2f}", f"{r['tokens_per_s']:.1f}", same])
+    out.append(["`estimate_memory`", "", f"{est / MiB:.0f}", "", "", ""])
+    header = ["path", "peak RSS MiB (one run)", "peak - import floor MiB", "KV cache MiB", "tokens/s (one run)",
+              "same tokens as CLI"]
+    return (f"\n### {quantize or 'bf16'} (import floor: `import torch, litgpt, lightning_lowmem` = "
+            f"{floor / MiB:.0f} MiB)\n\n" + markdown(header, out))
 
 
 def import_floor() -> int:
     code = ("import torch, litgpt, litgpt.api, lightning_lowmem\n"
             "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout)
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/lowmem-bench"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=WORKDIR / "generate")
     parser.add_argument("--model", default="pythia-1b")
     parser.add_argument("--quantize", nargs="+", default=["none", "bnb.nf4"])
     parser.add_argument("--paths", nargs="+", default=list(PATHS))
@@ -202,10 +188,9 @@ def main() -> None:
         return
     if not (directory / "lit_model.pth").is_file():
         write_checkpoint(directory, args.model)
-    import torch
-
-    print(f"{args.model}, random weights, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} new tokens, greedy, CPU "
-          f"({os.cpu_count()} cores, {platform.python_version()}, torch {torch.__version__})")
+    print(environment(["lightning", "litgpt", "bitsandbytes"]))
+    print(f"model: {args.model} config, random weights, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} new tokens, "
+          "greedy, batch 1, CPU; each path one fresh process")
     floor = import_floor()
     for q in args.quantize:
         quantize = None if q == "none" else q

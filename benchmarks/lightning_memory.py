@@ -4,9 +4,10 @@
     python benchmarks/lightning_memory.py --model pythia-160m --schemes bf16
     python benchmarks/lightning_memory.py --schemes bnb.nf4 --repeats 3      # nf4 peaks vary run to run
 
-Writes the checkpoint once (cached in --workdir): a bare state dict ``lit_model.pth`` (keys of the
-GPT) and a Lightning ``model.ckpt`` (``state_dict`` with keys of a LightningModule holding the GPT
-as ``self.model``), same random bf16 weights. Each method runs in its own fresh process:
+The checkpoint is written once (``benchmarks/common.py``, cached in --workdir): a bare state dict
+``bf16.pth`` (keys of the GPT, as litgpt's ``lit_model.pth``) and a Lightning ``model.ckpt``
+(``state_dict`` with keys of a LightningModule holding the GPT as ``self.model``), same random bf16
+weights. Each method runs in its own fresh process:
 
 - ``load_checkpoint``: ``init_empty`` + ``load_checkpoint`` (the floor the integrations must match),
 - ``fabric``: Lightning's ``Fabric(precision="bf16-true")``, ``init_module(empty_init=True)`` + ``load_raw``,
@@ -27,39 +28,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
-import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from common import (
+    WORKDIR,
+    MiB,
+    bare_torch_floor,
+    environment,
+    markdown,
+    median,
+    peak_rss,
+    run_fresh,
+    spread,
+    write_checkpoints,
+)
 
-MiB = 2**20
 METHODS = ["load_checkpoint", "fabric", "fabric-lowmem", "trainer", "trainer-lowmem"]
-CHECKPOINT_OF = {"load_checkpoint": "lit_model.pth", "fabric": "lit_model.pth", "fabric-lowmem": "lit_model.pth",
+CHECKPOINT_OF = {"load_checkpoint": "bf16.pth", "fabric": "bf16.pth", "fabric-lowmem": "bf16.pth",
                  "trainer": "model.ckpt", "trainer-lowmem": "model.ckpt", "load_checkpoint-ckpt": "model.ckpt"}
-
-
-def make_checkpoints(model_name: str, workdir: Path) -> Path:
-    """Random bf16 weights with the real architecture, as lit_model.pth and as a Lightning .ckpt."""
-    import lightning
-    from litgpt import GPT, Config
-
-    out = workdir / model_name
-    if (out / "lit_model.pth").exists() and (out / "model.ckpt").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in GPT(Config.from_name(model_name)).state_dict().items()}
-    gen = torch.Generator().manual_seed(0)
-    state = {k: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}
-    torch.save(state, out / "lit_model.pth")
-    torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 0, "global_step": 0,
-                "pytorch-lightning_version": lightning.__version__}, out / "model.ckpt")
-    return out
 
 
 def child(method: str, model_name: str, path: Path, quantize: str | None) -> dict:
@@ -68,7 +56,6 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     from litgpt import GPT, Config
 
     from lightning_lowmem import LowMemCallback, MemoryMonitor
-    from lightning_lowmem.memory import lifetime_peak_rss
 
     config = Config.from_name(model_name)
 
@@ -90,7 +77,7 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     ready: list[tuple[int, int]] = []  # (VmHWM, model bytes) when the model is ready, before its first forward
 
     def mark_ready(module: torch.nn.Module) -> None:
-        ready.append((lifetime_peak_rss(), sum(t.numel() * t.element_size() for t in module.state_dict().values())))
+        ready.append((peak_rss(), sum(t.numel() * t.element_size() for t in module.state_dict().values())))
 
     with MemoryMonitor() as mon:
         if method in ("trainer", "trainer-lowmem"):
@@ -106,7 +93,7 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
             with torch.no_grad():
                 model.eval()(tokens)  # eval, as in the Trainer's predict
     return {"ready": ready[0][0] - mon.usage.rss_start, "peak": mon.usage.rss_peak_delta,
-            "lifetime_peak": lifetime_peak_rss(), "final": ready[0][1], "seconds": mon.usage.seconds}
+            "lifetime_peak": peak_rss(), "final": ready[0][1], "seconds": mon.usage.seconds}
 
 
 def load(method: str, config: object, path: Path, quantize: str | None) -> torch.nn.Module:
@@ -137,52 +124,44 @@ def load(method: str, config: object, path: Path, quantize: str | None) -> torch
     return fabric.setup(model)
 
 
-def bare_torch_floor() -> int:
-    code = "import torch; print(open('/proc/self/status').read())"  # VmHWM: peak RSS of the process
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return next(int(line.split()[1]) * 1024 for line in out.stdout.splitlines() if line.startswith("VmHWM"))
-
-
-def run_fresh(method: str, model_name: str, path: Path, quantize: str | None, repeats: int) -> dict:
-    """Median of ``repeats`` fresh processes (and the range of the load peak)."""
-    cmd = [sys.executable, __file__, "--child", method, "--model", model_name, "--path", str(path)]
-    cmd += ["--quantize", quantize] if quantize else []
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+def run_repeated(method: str, model_name: str, path: Path, quantize: str | None, repeats: int) -> dict:
+    """``repeats`` fresh processes of one method: the median of each measurement, and the load peaks."""
+    args = ["--child", method, "--model", model_name, "--path", str(path)]
+    args += ["--quantize", quantize] if quantize else []
     runs = []
     for _ in range(repeats):
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-            return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"rc={out.returncode}"}
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    result = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    result["ready_range"] = (min(r["ready"] for r in runs), max(r["ready"] for r in runs))
-    return result
+        result = run_fresh(__file__, args)
+        if "error" in result:
+            return result
+        runs.append(result)
+    return {key: median([r[key] for r in runs]) for key in runs[0]} | {"ready_all": [r["ready"] for r in runs]}
 
 
 def print_table(rows: list[tuple[str, str, dict]], floor: int, repeats: int) -> None:
-    print(f"(median of {repeats} fresh processes per row; load peak range in brackets)" if repeats > 1 else "")
-    print("| weights | method | checkpoint | load peak (MiB) | load peak / load_checkpoint's (same file) "
-          "| + 1 forward (MiB) | final model (MiB) | lifetime peak above bare torch (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = ["weights", "method", "checkpoint", f"load peak MiB (median of {repeats})",
+              f"load peak MiB (min-max of {repeats})", "load peak / load_checkpoint's, same file (medians)",
+              f"+ 1 forward MiB (median of {repeats})", "final model MiB",
+              f"lifetime peak above bare torch MiB (median of {repeats})"]
     bare = {(scheme, CHECKPOINT_OF[method]): r["ready"] for scheme, method, r in rows
             if method.startswith("load_checkpoint") and "ready" in r}
+    out = []
     for scheme, method, r in rows:
         if "error" in r:
-            print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['error'][:90]} | | | | |")
+            out.append([scheme, method, CHECKPOINT_OF[method], r["error"][:90], "", "", "", "", ""])
             continue
-        low, high = r["ready_range"]
-        spread = f" [{low / MiB:.0f}-{high / MiB:.0f}]" if repeats > 1 else ""
-        print(f"| {scheme} | {method} | {CHECKPOINT_OF[method]} | {r['ready'] / MiB:.0f}{spread} | "
-              f"{r['ready'] / bare[scheme, CHECKPOINT_OF[method]]:.3f} | {r['peak'] / MiB:.0f} | "
-              f"{r['final'] / MiB:.0f} | {(r['lifetime_peak'] - floor) / MiB:.0f} |")
+        ratio = r["ready"] / bare[scheme, CHECKPOINT_OF[method]]
+        out.append([scheme, method, CHECKPOINT_OF[method], f"{r['ready'] / MiB:.0f}",
+                    spread([v / MiB for v in r["ready_all"]], 0), f"{ratio:.3f}",
+                    f"{r['peak'] / MiB:.0f}", f"{r['final'] / MiB:.0f}", f"{(r['lifetime_peak'] - floor) / MiB:.0f}"])
+    print(markdown(header, out))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pythia-1b", help="litgpt config name (default: pythia-1b)")
-    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
+    parser.add_argument("--workdir", type=Path, default=WORKDIR)
     parser.add_argument("--schemes", nargs="*", default=["bf16", "bnb.nf4"])
-    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per row (median reported)")
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per row (medians reported)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quantize", help=argparse.SUPPRESS)
@@ -191,7 +170,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.model, args.path, args.quantize)))
         return
 
-    directory = make_checkpoints(args.model, args.workdir)
+    paths = write_checkpoints(args.model, args.workdir, ["bf16.pth", "model.ckpt"])
     floor = bare_torch_floor()
     rows = []
     for scheme in args.schemes:
@@ -200,13 +179,12 @@ def main() -> None:
             if quantize and method in ("fabric", "trainer"):  # BitsandbytesPrecision refuses CPU
                 rows.append((scheme, method, {"error": "n/a: Lightning's bitsandbytes plugin runs on CUDA only"}))
                 continue
-            path = directory / CHECKPOINT_OF[method]
-            rows.append((scheme, method, run_fresh(method, args.model, path, quantize, args.repeats)))
+            path = paths[CHECKPOINT_OF[method]]
+            rows.append((scheme, method, run_repeated(method, args.model, path, quantize, args.repeats)))
             print(f"  ran {scheme} / {method}", file=sys.stderr)
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
-          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM")
-    print("versions: " + ", ".join(f"{n} {version(n)}" for n in ["torch", "lightning", "litgpt", "bitsandbytes"]))
-    print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB")
+    print(environment(["lightning", "litgpt", "bitsandbytes"]))
+    print(f"model: {args.model} config, random bf16 weights; bare `import torch` peak RSS {floor / MiB:.0f} MiB; "
+          f"{args.repeats} fresh process(es) per row\n")
     print_table(rows, floor, args.repeats)
 
 

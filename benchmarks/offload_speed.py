@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,22 +32,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common import environment, random_model
+
 import lightning_lowmem
 from lightning_lowmem import format_bytes, init_empty, layer_offload, load_checkpoint, placement_plan
 from lightning_lowmem.placement import find_blocks
 
 
 def build_reference(name: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A model with random bf16 weights on the CPU, and a copy of its state dict."""
-    import litgpt
-
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # initialise in bf16: no fp32 copy of a large model
-    try:
-        model = litgpt.GPT(litgpt.Config.from_name(name)).eval()
-    finally:
-        torch.set_default_dtype(default)
+    """A model with random bf16 weights on the CPU (``common.random_model``), and a copy of its state dict."""
+    model = random_model(name).eval()
     return model, {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -198,7 +191,8 @@ def accelerate_dispatch(reference: nn.Module, state: dict, device: torch.device,
 def print_table(rows: list[tuple[str, dict[str, float]]], budget: int) -> None:
     nan = float("nan")
     base = dict(rows).get("accelerate cpu_offload", {"prefill": nan, "decode": nan})
-    print(f"\n| method | prefill ms | decode-step ms | device peak | vs cpu_offload (prefill / decode) |")
+    print("\n| method | prefill ms (median) | decode-step ms (median) | device peak | "
+          "vs cpu_offload (prefill / decode) |")
     print("|---|---|---|---|---|")
     for name, r in rows:
         peak = format_bytes(r["peak"]) if r["peak"] == r["peak"] else "-"
@@ -235,9 +229,7 @@ def main() -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    print(f"machine: {platform.machine()}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-          f"lightning_lowmem {lightning_lowmem.__version__}"
-          + (f"; {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "; no GPU"))
+    print(environment(["accelerate", "bitsandbytes"]))
     print(f"model {args.model} in bf16 on a device budget of half its weights, {args.tokens}-token prompt\n")
     print_plans(args)
     if args.device is None and device.type != "cuda":

@@ -2,17 +2,18 @@
 
 Model: litgpt's ``pythia-1b`` config (1.01 B parameters, 2.02 GB in bf16) with random
 weights (seed 0, litgpt's own init, built directly in bf16), written once as one
-safetensors file. The transformers rows read the *same* weights, converted to the HF
-GPTNeoX layout with litgpt's ``copy_weights_gpt_neox`` and written by
-``GPTNeoXForCausalLM.save_pretrained``. Both files are cached under ``--workdir``.
+safetensors file (``benchmarks/common.py``). The transformers rows read the *same* weights,
+converted to the HF GPTNeoX layout with litgpt's ``copy_weights_gpt_neox`` and written by
+``GPTNeoXForCausalLM.save_pretrained``. Both are cached under ``--workdir``.
 
 Every method runs in a fresh subprocess. Columns:
 
 * ``peak/bf16``: the process's peak RSS (``VmHWM``) during build + load + quantize, minus
   the peak RSS of a process that only ran ``import torch``, over the bf16 model bytes. It
   includes the imports (litgpt alone adds ~200 MB, 0.10x);
-* ``load peak/bf16``: the same peak minus the RSS after the imports, before the model is built:
-  what building, loading and quantizing cost;
+* ``load peak/bf16``: the same peak minus the RSS after the imports (the method's quantization
+  library included, for every method alike), before the model is built: what building, loading
+  and quantizing cost;
 * ``final``: bytes of the loaded model's parameters and buffers (quantized tensors counted
   by their inner storage, see ``lightning_lowmem.quantize.module_nbytes``);
 * ``peak with forward/bf16``: the peak after one forward on the quality batch (mmap-backed
@@ -20,7 +21,10 @@ Every method runs in a fresh subprocess. Columns:
 * ``seconds``: build + load + quantize wall time, imports excluded;
 * ``cosine`` / ``SQNR``: logits (float64) on a fixed batch of 2 x 32 tokens against the same
   family's bf16 model (litgpt rows vs the lightning_lowmem bf16 load, transformers rows vs
-  transformers bf16).
+  transformers bf16), from the first round (the weights and the batch are the same every round).
+
+With ``--repeat N`` the peaks are the highest of the N rounds and the seconds their median
+(and, in a column of their own, their range).
 
 Usage::
 
@@ -31,16 +35,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import (
+    WORKDIR,
+    GiB,
+    MiB,
+    bare_torch_floor,
+    current_rss,
+    environment,
+    markdown,
+    median,
+    peak_rss,
+    run_fresh,
+    spread,
+    write_checkpoints,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "pythia-1b"
 BATCH = (2, 32)  # (batch, tokens) of the fixed quality batch
 
@@ -66,12 +81,8 @@ METHODS: dict[str, str] = {
 
 # ---------------------------------------------------------------- measurements (worker side)
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def _lit_path(workdir: Path) -> Path:
+    return workdir / MODEL / "bf16.safetensors"
 
 
 def _lit_config():
@@ -97,7 +108,7 @@ def _build_lowmem(workdir: Path, scheme: str) -> torch.nn.Module:
     name, _, extent = scheme.partition(":")
     with init_empty():
         model = GPT(_lit_config())
-    load_checkpoint(model, workdir / f"{MODEL}-bf16.safetensors", dtype=torch.bfloat16,
+    load_checkpoint(model, _lit_path(workdir), dtype=torch.bfloat16,
                     quantize=None if name == "bf16" else name, skip_quantize=[] if extent == "all" else None)
     return model
 
@@ -109,7 +120,7 @@ def _load_then(workdir: Path) -> torch.nn.Module:
 
     with torch.device("meta"):
         model = GPT(_lit_config())
-    model.load_state_dict(load_file(workdir / f"{MODEL}-bf16.safetensors"), assign=True)
+    model.load_state_dict(load_file(_lit_path(workdir)), assign=True)
     model.cos, model.sin = model.rope_cache(device=torch.device("cpu"))  # non-persistent, left on meta
     return model
 
@@ -154,7 +165,7 @@ def _build_hf(workdir: Path, scheme: str) -> torch.nn.Module:
                "nf4": lambda: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                  bnb_4bit_compute_dtype=torch.bfloat16),
                "int8": lambda: BitsAndBytesConfig(load_in_8bit=True)}
-    return AutoModelForCausalLM.from_pretrained(workdir / f"{MODEL}-hf", dtype=torch.bfloat16, device_map="cpu",
+    return AutoModelForCausalLM.from_pretrained(workdir / MODEL / "hf", dtype=torch.bfloat16, device_map="cpu",
                                                 quantization_config=configs[scheme]())
 
 
@@ -162,17 +173,18 @@ BUILDERS = {"lowmem": _build_lowmem, "after-torchao": _build_after_torchao, "aft
             "hf": _build_hf, "hf-torchao": _build_hf, "hf-bnb": _build_hf}
 
 
-def _import_for(kind: str) -> None:
-    """Import what the method needs before the clock starts (its RSS shows in ``imports``)."""
+def _import_for(method: str) -> None:
+    """Import what the method needs (its quantization library included, for every method alike) before the
+    measured block starts."""
     import litgpt  # noqa: F401
 
     import lightning_lowmem.quantize  # noqa: F401  (module_nbytes for the final bytes)
 
-    if "bnb" in kind:
+    if "bnb" in method:
         import bitsandbytes  # noqa: F401
-    if "torchao" in kind or kind == "hf-torchao":
+    if "torchao" in method:
         import torchao.quantization  # noqa: F401
-    if kind.startswith("hf"):
+    if method.startswith("hf"):
         import transformers  # noqa: F401
 
 
@@ -184,21 +196,18 @@ def _logits(model: torch.nn.Module, family: str) -> torch.Tensor:
 
 def worker(method: str, workdir: Path) -> dict:
     """Run one method in this (fresh) process; return its measurements."""
-    if method == "floor":
-        return {"peak": _status("VmHWM")}
     kind, _, scheme = method.partition(":")
-    _import_for(kind)
-    rss_imports = _status("VmHWM")
-    rss_before = _status("VmRSS")
+    _import_for(method)
+    rss_before = current_rss()
     t0 = time.perf_counter()
     model = BUILDERS[kind](workdir, scheme)
     seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
+    peak = peak_rss()
     from lightning_lowmem.quantize import module_nbytes
 
     family = "hf" if kind.startswith("hf") else "lit"
     logits = _logits(model, family)
-    peak_forward = _status("VmHWM")
+    peak_forward = peak_rss()
     ref_path = workdir / f"ref-logits-{family}.pt"
     if scheme == "bf16":
         torch.save(logits, ref_path)
@@ -206,7 +215,7 @@ def worker(method: str, workdir: Path) -> dict:
     cos = torch.nn.functional.cosine_similarity(logits.flatten(), ref.flatten(), dim=0).item()
     err = (logits - ref).pow(2).sum().item()
     sqnr = float("inf") if err == 0 else 10 * torch.log10(ref.pow(2).sum() / err).item()
-    return {"imports": rss_imports, "peak": peak, "peak_forward": peak_forward, "final": module_nbytes(model),
+    return {"peak": peak, "peak_forward": peak_forward, "final": module_nbytes(model),
             "before": rss_before, "seconds": seconds,
             "cosine": cos, "sqnr": sqnr}
 
@@ -215,19 +224,8 @@ def worker(method: str, workdir: Path) -> dict:
 
 def prepare(workdir: Path) -> None:
     """Write the random bf16 litgpt checkpoint and its HF GPTNeoX twin, unless cached."""
-    from litgpt import GPT
-    from safetensors.torch import save_file
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    lit_path, hf_dir = workdir / f"{MODEL}-bf16.safetensors", workdir / f"{MODEL}-hf"
-    if not lit_path.exists():
-        torch.manual_seed(0)
-        torch.set_default_dtype(torch.bfloat16)  # build in bf16: 2 GB, not 4
-        model = GPT(_lit_config())
-        torch.set_default_dtype(torch.float32)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(lit_path) + ".tmp")
-        os.replace(str(lit_path) + ".tmp", lit_path)
-        del model
+    lit_path = write_checkpoints(MODEL, workdir, ["bf16.safetensors"])["bf16.safetensors"]
+    hf_dir = workdir / MODEL / "hf"
     if not (hf_dir / "model.safetensors").exists():
         _write_hf(lit_path, hf_dir)
 
@@ -253,29 +251,13 @@ def _write_hf(lit_path: Path, hf_dir: Path) -> None:
 
 # ---------------------------------------------------------------- the table (parent side)
 
-def _run(args: list[str], timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": tail[:160]}
-    return json.loads(lines[-1])
-
-
-def _row(name: str, r: dict, floor: int, model_bytes: int) -> str:
+def _row(name: str, r: dict, floor: int, model_bytes: int) -> list[str]:
     if "error" in r:
-        return f"| {METHODS[name]} | n/a | n/a | n/a | n/a | n/a | n/a | {r['error']} |"
+        return [METHODS[name], *["n/a"] * 7, r["error"]]
     peak, load = (r["peak"] - floor) / model_bytes, (r["peak"] - r["before"]) / model_bytes
-    final = f"{r['final'] / 2**30:.2f} GiB ({r['final'] / model_bytes:.2f})"
-    return (f"| {METHODS[name]} | {peak:.2f} | {load:.2f} | {final} "
-            f"| {(r['peak_forward'] - floor) / model_bytes:.2f} | {_seconds(r)} "
-            f"| {r['cosine']:.5f} | {r['sqnr']:.1f} dB |")
-
-
-def _seconds(r: dict) -> str:
-    low, high = r.get("range", (r["seconds"], r["seconds"]))
-    return f"{r['seconds']:.1f}" if high - low < 0.05 else f"{r['seconds']:.1f} ({low:.1f}-{high:.1f})"
+    final = f"{r['final'] / GiB:.2f} GiB ({r['final'] / model_bytes:.2f})"
+    return [METHODS[name], f"{peak:.2f}", f"{load:.2f}", final, f"{(r['peak_forward'] - floor) / model_bytes:.2f}",
+            f"{r['seconds']:.1f}", r["spread"], f"{r['cosine']:.5f}", f"{r['sqnr']:.1f} dB"]
 
 
 # lightning_lowmem row -> the same library's load-then-quantize row, for the load-time ratio
@@ -292,9 +274,8 @@ def _merge(runs: list[dict]) -> dict:
     for key in ("peak", "peak_forward", "final"):
         merged[key] = max(r[key] for r in ok)
     merged["before"] = min(r["before"] for r in ok)
-    seconds = sorted(r["seconds"] for r in ok)
-    merged["seconds"] = statistics.median(seconds)
-    merged["range"] = (seconds[0], seconds[-1])
+    seconds = [r["seconds"] for r in ok]
+    merged["seconds"], merged["spread"] = median(seconds), spread(seconds)
     return merged
 
 
@@ -305,8 +286,10 @@ def _time_ratios(runs: dict[str, list[dict]], ours: str, theirs: str) -> list[fl
 
 
 def main() -> None:
+    global MODEL
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "bench")
+    parser.add_argument("--model", default=MODEL, help=f"litgpt config name (default: {MODEL})")
+    parser.add_argument("--workdir", type=Path, default=WORKDIR)
     parser.add_argument("--only", nargs="*", default=None, help="run the methods whose name contains one of these")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per method")
     parser.add_argument("--repeat", type=int, default=1,
@@ -314,29 +297,35 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    MODEL = args.model
     if args.worker:
         print(json.dumps(worker(args.worker, args.workdir)))
         return
     if args.prepare:
         prepare(args.workdir)
+        print(json.dumps({"prepared": str(args.workdir)}))
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
-    prep = subprocess.run([sys.executable, __file__, "--prepare", "--workdir", str(args.workdir)],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if prep.returncode:
-        sys.exit(prep.returncode)
-    model_bytes = _bf16_bytes(args.workdir / f"{MODEL}-bf16.safetensors")
-    floor = _run(["--worker", "floor", "--workdir", str(args.workdir)], args.timeout)["peak"]
+    prepared = run_fresh(__file__, ["--prepare", "--model", MODEL, "--workdir", str(args.workdir)])
+    if "error" in prepared:
+        sys.exit(f"writing the checkpoints failed: {prepared['error']}")
+    model_bytes = _bf16_bytes(_lit_path(args.workdir))
+    floor = bare_torch_floor()
     names = [n for n in METHODS if args.only is None or "bf16" in n or any(o in n for o in args.only)]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for _ in range(args.repeat):  # rounds, so that a slow spell on the machine hits every method alike
         for name in names:
-            runs[name].append(_run(["--worker", name, "--workdir", str(args.workdir)], args.timeout))
+            runs[name].append(run_fresh(__file__, ["--worker", name, "--model", MODEL, "--workdir", str(args.workdir)],
+                                        args.timeout))
             print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     results = {name: _merge(r) for name, r in runs.items()}
-    _header(model_bytes, floor, args.repeat)
-    for name in names:
-        print(_row(name, results[name], floor, model_bytes))
+    print(environment(["bitsandbytes", "torchao", "transformers", "litgpt"]))
+    print(f"model: {MODEL} config, random bf16 weights: {model_bytes / GiB:.2f} GiB; floor (a bare `import torch` "
+          f"process) {floor / MiB:.0f} MiB; {args.repeat} fresh process(es) per method, in rounds\n")
+    header = ["method", f"peak/bf16 (max of {args.repeat})", f"load peak/bf16 (max of {args.repeat})",
+              "final (/bf16)", f"peak with forward/bf16 (max of {args.repeat})", f"seconds (median of {args.repeat})",
+              f"seconds (min-max of {args.repeat})", "cosine", "SQNR"]
+    print(markdown(header, [_row(name, results[name], floor, model_bytes) for name in names]))
     print()
     for ours, theirs in SAME_LIBRARY.items():
         ratios = _time_ratios(runs, ours, theirs)
@@ -350,21 +339,6 @@ def _bf16_bytes(path: Path) -> int:
 
     with Checkpoint.open(path) as ckpt:
         return sum(r.nbytes for r in ckpt.records.values())
-
-
-def _header(model_bytes: int, floor: int, repeat: int) -> None:
-    import bitsandbytes
-    import torchao
-    import transformers
-
-    print(f"{MODEL} config, random bf16 weights: {model_bytes / 2**30:.2f} GiB; floor (import torch) "
-          f"{floor / 2**20:.0f} MiB; {os.cpu_count()} CPUs; torch {torch.__version__}, bitsandbytes "
-          f"{bitsandbytes.__version__}, torchao {torchao.__version__}, transformers {transformers.__version__}; "
-          f"{repeat} run(s) per method")
-    print()
-    print("| method | peak/bf16 | load peak/bf16 | final (/bf16) | peak with forward/bf16 | seconds | cosine "
-          "| SQNR |")
-    print("|---|---|---|---|---|---|---|---|")
 
 
 if __name__ == "__main__":

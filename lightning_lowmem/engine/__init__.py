@@ -4,8 +4,8 @@
 headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
-decision to say what a load and a generation will need. Every face (Lightning,
-litgpt, the command line) goes through here.
+decision to say what a load and a generation will need. Every face (the Lightning
+strategy and callback, the litgpt helpers) goes through here.
 """
 
 from lightning_lowmem.engine.estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared

@@ -1,0 +1,193 @@
+"""What every benchmark shares: fresh processes, peak RSS, random-weight checkpoints, the machine header.
+
+Each benchmark runs every method in a fresh Python process (:func:`run_fresh`), so one
+method's memory never hides in another's peak; peaks come from the kernel's
+high-water mark (``VmHWM``) through lightning_lowmem's own memory code. Checkpoints have
+random weights with a real architecture (litgpt's ``GPT``, its own initialisation),
+written once under ``--workdir`` in the layouts users have (:func:`write_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+GiB = 2**30
+WORKDIR = Path.home() / ".cache" / "lightning_lowmem" / "bench"
+LAYOUTS = ("bf16.safetensors", "bf16-sharded", "bf16.pth", "model.ckpt", "fp32.safetensors")
+
+
+# ---------------------------------------------------------------- processes and memory
+
+def run_fresh(script: str | Path, args: Sequence[str], timeout: float | None = None) -> dict:
+    """Run ``python script *args`` in a fresh process; its last stdout line that is a JSON object, or
+    ``{"error": <last stderr line>}``."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    try:
+        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"error": tail[:160]}
+    return json.loads(lines[-1])
+
+
+def peak_rss() -> int:
+    """This process's peak RSS so far (``VmHWM``), read by lightning_lowmem's memory code."""
+    from lightning_lowmem.memory import lifetime_peak_rss
+
+    return lifetime_peak_rss()
+
+
+def current_rss() -> int:
+    from lightning_lowmem.memory import current_rss as rss
+
+    return rss()
+
+
+def bare_torch_floor() -> int:
+    """Peak RSS of a process that only imports torch: the floor every peak is measured against."""
+    code = ("import torch; print([int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
+            "if l.startswith('VmHWM')][0])")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def warm_page_cache(path: Path) -> None:
+    """Read a checkpoint's files once, so that every method starts with them in the page cache."""
+    files = sorted(path.parent.glob("*.safetensors")) if path.name.endswith(".index.json") else [path]
+    for file in files:
+        with open(file, "rb") as f:
+            while f.read(64 * MiB):
+                pass
+
+
+def touch(model: torch.nn.Module) -> None:
+    """Read one byte of every page of every weight, as a first forward would (a memory-mapped load
+    otherwise defers its reads, and their cost, to first use)."""
+    for t in model.state_dict().values():
+        if t.numel() and not t.is_meta:
+            t.detach().reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def random_model(model_name: str, seed: int = 0) -> torch.nn.Module:
+    """litgpt's ``GPT(Config.from_name(model_name))`` with its own random initialisation, built in bf16."""
+    from litgpt import GPT, Config
+
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of fp32
+    try:
+        return GPT(Config.from_name(model_name))
+    finally:
+        torch.set_default_dtype(before)
+
+
+def random_state(model_name: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of :func:`random_model`."""
+    return {k: v.contiguous() for k, v in random_model(model_name, seed).state_dict().items()}
+
+
+def write_checkpoints(model_name: str, workdir: Path = WORKDIR, layouts: Iterable[str] = LAYOUTS) -> dict[str, Path]:
+    """The model's random weights in each of ``layouts``, written once under ``workdir/model_name``.
+
+    ``bf16.safetensors``; ``bf16-sharded`` (4 safetensors shards and the index ``save_pretrained`` writes);
+    ``bf16.pth`` (``torch.save`` of the state dict, as litgpt's ``lit_model.pth``); ``model.ckpt`` (a Lightning
+    checkpoint of a LightningModule holding the GPT as ``self.model``); ``fp32.safetensors``.
+    """
+    out = workdir / model_name
+    paths = {"bf16.safetensors": out / "bf16.safetensors", "bf16.pth": out / "bf16.pth",
+             "bf16-sharded": out / "sharded" / "model.safetensors.index.json", "model.ckpt": out / "model.ckpt",
+             "fp32.safetensors": out / "fp32.safetensors"}
+    wanted = {name: paths[name] for name in layouts}
+    if all(p.exists() for p in wanted.values()):
+        return wanted
+    state = random_state(model_name)
+    for name, path in wanted.items():
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(name, state, path)
+    return wanted
+
+
+def _write(layout: str, state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    if layout == "bf16.safetensors":
+        save_file(state, tmp)
+    elif layout == "fp32.safetensors":
+        save_file({k: v.float() for k, v in state.items()}, tmp)
+    elif layout == "bf16.pth":
+        torch.save(state, tmp)
+    elif layout == "model.ckpt":
+        import lightning
+
+        torch.save({"state_dict": {f"model.{k}": v for k, v in state.items()}, "epoch": 0, "global_step": 0,
+                    "pytorch-lightning_version": lightning.__version__}, tmp)
+    elif layout == "bf16-sharded":
+        _write_shards(state, path, shards=4)
+        return
+    else:
+        raise ValueError(layout)
+    os.replace(tmp, path)
+
+
+def _write_shards(state: dict[str, torch.Tensor], index: Path, shards: int) -> None:
+    from safetensors.torch import save_file
+
+    keys, weight_map = list(state), {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[i::shards]}
+        save_file(part, index.parent / name)
+        weight_map.update(dict.fromkeys(part, name))
+    index.write_text(json.dumps({"metadata": {"total_size": sum(v.nbytes for v in state.values())},
+                                 "weight_map": weight_map}))
+
+
+# ---------------------------------------------------------------- statistics and the header
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: Sequence[float], digits: int = 1) -> str:
+    """``"low-high"`` of ``values``."""
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
+
+
+def environment(libraries: Sequence[str]) -> str:
+    """Machine, Python and library versions: the lines every table is printed under."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    versions = []
+    for name in ["torch", *libraries]:
+        try:
+            versions.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"machine: {platform.machine()}, {os.cpu_count()} cores, {ram:.0f} GiB RAM, {cuda}, "
+            f"{platform.system()}\nversions: python {platform.python_version()}, " + ", ".join(versions))
+
+
+def markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
