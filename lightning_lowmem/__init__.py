@@ -10,6 +10,7 @@ The package follows the data flow; each folder imports only those above it in th
     engine/      LoadOptions, one prepared load, the streaming loop, LoadReport, the estimate
     lightning/   the Lightning faces: Fabric strategy, Trainer callback, registration
     litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
+    transformers/  the transformers face: a PreTrainedModel's buffers rebuilt after a load, as from_pretrained does
 
 Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
 are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy
@@ -58,6 +59,7 @@ from lightning_lowmem.placement import (
     sequential_offload,
 )
 from lightning_lowmem.plan import Combine
+from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers transformers' PreTrainedModel)
 
 register_when_lightning_loads()
 

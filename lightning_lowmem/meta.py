@@ -72,6 +72,21 @@ def assign(module: nn.Module, names: list[str], tensor: torch.Tensor, is_paramet
         (owner._parameters if is_parameter else owner._buffers)[leaf] = value
 
 
+def _recomputable(module: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
+    """``(module name, module, its meta non-persistent buffers)`` for each module that can rebuild them:
+    no parameters of its own and a ``reset_parameters()`` (litgpt's ``GPT``: its RoPE ``cos``/``sin``)."""
+    for name, mod in module.named_modules():
+        meta = [n for n, b in mod._buffers.items()
+                if b is not None and b.is_meta and n in mod._non_persistent_buffers_set]
+        if meta and not mod._parameters and callable(getattr(mod, "reset_parameters", None)):
+            yield name, mod, meta
+
+
+def recomputable_buffers(module: nn.Module) -> set[str]:
+    """The names of the meta buffers :func:`recompute_meta_buffers` would rebuild."""
+    return {f"{name}.{n}" if name else n for name, _, meta in _recomputable(module) for n in meta}
+
+
 def recompute_meta_buffers(module: nn.Module, device: torch.device) -> list[str]:
     """Rebuild non-persistent buffers left on meta by modules that know how.
 
@@ -84,11 +99,7 @@ def recompute_meta_buffers(module: nn.Module, device: torch.device) -> list[str]
         The names of the buffers rebuilt.
     """
     rebuilt = []
-    for name, mod in module.named_modules():
-        meta = [n for n, b in mod._buffers.items()
-                if b is not None and b.is_meta and n in mod._non_persistent_buffers_set]
-        if not meta or mod._parameters or not callable(getattr(mod, "reset_parameters", None)):
-            continue
+    for name, mod, meta in list(_recomputable(module)):
         for n in meta:
             mod._buffers[n] = torch.empty_like(mod._buffers[n], device=device)
         mod.reset_parameters()
@@ -96,20 +107,40 @@ def recompute_meta_buffers(module: nn.Module, device: torch.device) -> list[str]
     return rebuilt
 
 
-def back_to_meta(module: nn.Module, loaded: list[list[str]]) -> None:
-    """Put the tensors named in ``loaded`` (each entry: one tensor's tied names) back on meta.
+class Snapshot:
+    """Every module, parameter and buffer of a module tree as it is now, so that a failed load can put it back.
 
-    A load that fails half way calls this, so that a module is never handed back half loaded
-    while looking loaded.
+    A load replaces meta tensors by new ones, and the data of real parameters in place, and may swap
+    ``nn.Linear`` modules for quantized ones. :meth:`restore` undoes all of it: the tree holds the very
+    objects (and data) it held when the snapshot was taken. For meta tensors this costs nothing; for
+    a module that already held real weights, their old data is kept until the load succeeds.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> before = layer.weight.data.clone()
+        >>> snap = Snapshot(layer)
+        >>> layer.weight.data = torch.zeros(2, 2)
+        >>> snap.restore()
+        >>> torch.equal(layer.weight, before)
+        True
     """
-    for names in loaded:
-        for name in names:
-            owner, leaf = owner_of(module, name)
-            table = owner._parameters if leaf in owner._parameters else owner._buffers
-            old = table[leaf]
-            if old is not None:
-                meta = old.detach().to("meta")
-                table[leaf] = nn.Parameter(meta, requires_grad=old.requires_grad) if leaf in owner._parameters else meta
+
+    def __init__(self, module: nn.Module) -> None:
+        mods = [m for _, m in module.named_modules(remove_duplicate=False)]
+        self._tables = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in mods]
+        self._data = [(p, p.data) for m in mods for p in m._parameters.values() if p is not None and not p.is_meta]
+
+    def restore(self) -> None:
+        for mod, modules, parameters, buffers in self._tables:
+            mod._modules.clear()
+            mod._modules.update(modules)
+            mod._parameters.clear()
+            mod._parameters.update(parameters)
+            mod._buffers.clear()
+            mod._buffers.update(buffers)
+        for param, data in self._data:
+            param.data = data
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -137,7 +168,6 @@ def check_no_meta(module: nn.Module, context: str) -> None:
     if left:
         raise MetaTensorError(
             f"{context}: {len(left)} tensors are still on the meta device: {format_names(left)}. "
-            "They were not in the checkpoint and could not be recomputed. Load a checkpoint that has them, "
-            "or build the module inside lightning_lowmem.init_empty() so that buffers computed in __init__ "
-            "stay real."
+            "Nothing filled or recomputed them. Load a checkpoint that has them, or build the module inside "
+            "lightning_lowmem.init_empty() so that buffers computed in __init__ stay real."
         )

@@ -2,8 +2,10 @@
 
 ::
 
-    Checkpoint.open (headers) -> prepare_load (plan, quantization, placement)
+    Checkpoint.open (headers) -> prepare_load (plan, quantization, placement) -> nothing left on meta?
         -> stream (one tensor at a time) -> buffers and checks -> LoadReport
+
+A module is loaded whole or left as it was: any error after the plan puts it back.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor
-from lightning_lowmem.meta import check_no_meta, recompute_meta_buffers
-from lightning_lowmem.placement import MaxMemory, architecture_of, dispatch
-from lightning_lowmem.plan import Combine, KeyMap, apply_dtype_fallback
+from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
+from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
 from lightning_lowmem.quantize import QuantScheme, module_nbytes, prepare_quantization
 
 log = logging.getLogger(__name__)
@@ -93,6 +96,9 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
              on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
     """The whole load under one memory monitor: open once, prepare from the headers, stream.
 
+    The module is loaded whole or left as it was: on any error after the plan, every module,
+    parameter and buffer is put back as it was before (:class:`~lightning_lowmem.meta.Snapshot`).
+
     Args:
         module, checkpoint: as :func:`load_checkpoint`.
         options: the load options.
@@ -103,14 +109,22 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, opened(checkpoint) as ckpt:
         prepared = prepare_load(module, ckpt.records, options, files=ckpt.description, check_keys=on_plan is None)
-        if on_plan is not None:
-            on_plan(prepared)
-        report = load_prepared(prepared, ckpt, monitor)
+        snapshot = Snapshot(module)
+        try:
+            if on_plan is not None:
+                on_plan(prepared)
+            report = load_prepared(prepared, ckpt, monitor)
+        except BaseException:
+            snapshot.restore()
+            raise
     return _finish_report(report, monitor)
 
 
 def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonitor | None = None) -> LoadReport:
     """Stream a load :func:`prepare_load` decided from ``ckpt``'s headers, and finish the module.
+
+    Before anything is read, a tensor of the module on meta that nothing would fill is a
+    :class:`MetaTensorError`; after that, any error puts the module back as it was.
 
     Args:
         prepared: the decided load.
@@ -121,15 +135,27 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
             report = load_prepared(prepared, ckpt, own)
         return _finish_report(report, own)
+    architecture = architecture_of(prepared.module)
+    check_complete(prepared.module, prepared.plan, architecture.fills(prepared.module))
+    snapshot = Snapshot(prepared.module)
+    try:
+        return _load(prepared, ckpt, architecture)
+    except BaseException:
+        snapshot.restore()  # never hand back a half-loaded model that looks loaded
+        raise
+
+
+def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) -> LoadReport:
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
     quantizer = prepare_quantization(module, prepared.selection, plan, device) if prepared.selection else None
     report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
                         key_note=plan.prefix_note, placement=prepared.placement)
-    architecture_of(module).before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.tensors, report.bytes_read = stream(module, ckpt, plan, quantizer, transform=options.transform,
                                                combine=options.combine, progress=options.progress)
-    report.recomputed = recompute_meta_buffers(module, device)
+    ckpt.check_unchanged()  # a file rewritten during the last read
+    report.recomputed = architecture.after_load(module, device)
     _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
     check_no_meta(module, f"After loading {plan.files}")
@@ -139,6 +165,28 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
         report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
     return report
+
+
+def check_complete(module: nn.Module, plan: LoadPlan, filled: set[str]) -> None:
+    """Raise :class:`MetaTensorError`, before anything is read, when a tensor of ``module`` on meta would stay
+    there: neither a target of ``plan`` nor in ``filled`` (what the module's architecture rebuilds)."""
+    filled = filled | {name for target in plan.targets for name in target.names}
+    left = [name for name in meta_tensor_names(module) if name not in filled]
+    if not left:
+        return
+    missing = set(plan.missing)
+    absent = [n for n in left if n in missing]
+    derived = [n for n in left if n not in missing]
+    parts = [f"{plan.files} cannot fill {len(left)} tensors of the module that are on the meta device:"]
+    if absent:
+        parts.append(f"{format_names(absent)} {'is' if len(absent) == 1 else 'are'} not in the checkpoint;")
+    if derived:
+        parts.append(f"{format_names(derived)} {'is a buffer' if len(derived) == 1 else 'are buffers'} computed in "
+                     "__init__ (not saved in checkpoints, or saved with another shape or dtype) that nothing rebuilds;")
+    raise MetaTensorError(
+        " ".join(parts) + " nothing was read. Load a checkpoint that has them, pass key_map= if they are there under "
+        "other names, or build the module inside lightning_lowmem.init_empty() so that buffers computed in "
+        "__init__ stay real.")
 
 
 def _finish_report(report: LoadReport, monitor: MemoryMonitor) -> LoadReport:

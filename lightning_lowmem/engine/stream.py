@@ -6,7 +6,7 @@
                       -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
 
 Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
-and the result). A read that fails half way puts everything loaded so far back on meta.
+and the result). On an error the caller puts the module back as it was (``engine.load``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.meta import assign, back_to_meta
+from lightning_lowmem.meta import assign
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.quantize import Quantizer
 from lightning_lowmem.quantize.rows import RowSource
@@ -38,25 +38,20 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
            progress: bool | None = None) -> tuple[int, int]:
     """Load every target of ``plan`` from ``ckpt`` into ``module``; returns ``(tensors read, bytes read)``.
 
-    On any error, every tensor loaded so far goes back to meta before the error propagates.
+    On an error the module is left as far as it got; the caller puts it back (``meta.Snapshot``).
     """
     reads = _Reads(ckpt, plan, quantizer, transform, combine)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
-    loaded: list[list[str]] = []
     tensors = nbytes = 0
     try:
         with torch.no_grad():
             for target, tensor in read_ahead(plan.targets, reads.read, lambda t: t.read_nbytes, reads.window):
                 _install(module, target, tensor, quantizer, transform)
                 del tensor
-                loaded.append(target.names)
                 tensors += len(target.parts) or 1
                 nbytes += target.read_nbytes
                 bar.update(target.read_nbytes)
-    except BaseException:
-        back_to_meta(module, loaded)  # never hand back a half-loaded model that looks loaded
-        raise
     finally:
         bar.close()
     return tensors, nbytes

@@ -16,8 +16,9 @@ import torch
 
 from lightning_lowmem.errors import CheckpointFormatError, format_names
 from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
+from lightning_lowmem.formats.files import open_regular
 from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
-from lightning_lowmem.formats.safetensors import SafetensorsFile
+from lightning_lowmem.formats.safetensors_file import SafetensorsFile
 from lightning_lowmem.formats.torch_zip import TorchZipFile
 
 _READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile}
@@ -26,7 +27,7 @@ _READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile}
 def _open_files(path: str | Path) -> list[CheckpointFile]:
     """The readers of every file ``path`` stands for; an index is followed to its shards."""
     first = locate(path)
-    fd = os.open(first, os.O_RDONLY)
+    fd = open_regular(first)
     try:
         kind = kind_of(os.pread(fd, HEAD_BYTES, 0), first)
         if kind != "index":
@@ -48,7 +49,7 @@ def _open_files(path: str | Path) -> list[CheckpointFile]:
 
 
 def _open_shard(path: Path) -> CheckpointFile:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         kind = kind_of(os.pread(fd, HEAD_BYTES, 0), path)
         if kind == "index":
@@ -111,14 +112,23 @@ class Checkpoint:
         """The entry a torch file's state dict was found under (``state_dict``, ``model``) or ``''``."""
         return next((f.entry for f in self.files if getattr(f, "entry", "")), "")
 
-    def other_entries(self) -> dict[str, Any]:
+    def other_entries(self) -> tuple[dict[str, Any], list[str]]:
         """A torch checkpoint's entries other than the weights' (optimizer state, counters), read without
-        reading the weights; empty for safetensors files and bare state dicts."""
+        reading the weights, and where in them objects stand that were not built (see
+        :meth:`TorchZipFile.other_entries`); empty for safetensors files and bare state dicts."""
         out: dict[str, Any] = {}
+        inert: list[str] = []
         for f in self.files:
             if isinstance(f, TorchZipFile):
-                out.update(f.other_entries())
-        return out
+                entries, paths = f.other_entries()
+                out.update(entries)
+                inert += paths
+        return out, inert
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointFormatError` when a file changed since it was opened."""
+        for f in self.files:
+            f.check_unchanged()
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``key`` into a new tensor, or into ``out`` (contiguous, of its shape and dtype) when given.

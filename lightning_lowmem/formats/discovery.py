@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
 
@@ -101,15 +101,26 @@ def _pick_in_directory(directory: Path) -> Path:
 
 
 def shards_of_index(index: Path, text: bytes) -> list[Path]:
-    """The shard files that the index ``index`` (whose content is ``text``) names, each checked to exist."""
-    try:
-        weight_map = json.loads(text)["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(
-            f"{index} is not a sharded-checkpoint index (no 'weight_map' in valid JSON: {e}). "
-            "Pass the index that save_pretrained wrote, or a checkpoint file."
-        ) from e
+    """The shard files that the index ``index`` (whose content is ``text``) names, each checked to exist.
+
+    Shard names must be plain relative names inside the index's directory: an absolute path or a
+    ``..`` component is refused (a symlink inside the directory, as in the Hugging Face cache, is
+    followed).
+
+    Raises:
+        CheckpointFormatError: not valid JSON, no ``weight_map`` of names to file names, or a name that
+            leaves the directory.
+        CheckpointNotFoundError: a shard the index names is not there.
+    """
+    weight_map = _weight_map(index, text)
     shards = sorted(set(weight_map.values()))
+    escaping = [s for s in shards if not _inside(s)]
+    if escaping:
+        keys = [k for k, s in weight_map.items() if s in escaping]
+        raise CheckpointFormatError(
+            f"{index} names shard files outside its directory: {format_names(escaping)} (for {format_names(keys, 3)}). "
+            "Shard names must be plain file names next to the index; nothing was opened. Fix the index, or "
+            "download the checkpoint again.")
     missing = [s for s in shards if not (index.parent / s).is_file()]
     if missing:
         keys = [k for k, s in weight_map.items() if s in missing]
@@ -119,3 +130,29 @@ def shards_of_index(index: Path, text: bytes) -> list[Path]:
             "Download the missing shards, or pass the complete directory."
         )
     return [index.parent / s for s in shards]
+
+
+def _weight_map(index: Path, text: bytes) -> dict[str, str]:
+    """The index's ``weight_map``, checked to map tensor names (str) to file names (str)."""
+    try:
+        weight_map = json.loads(text)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointFormatError(
+            f"{index} is not a sharded-checkpoint index (no 'weight_map' in valid UTF-8 JSON: {type(e).__name__}: "
+            f"{str(e)[:200]}). Pass the index that save_pretrained wrote, or a checkpoint file."
+        ) from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointFormatError(f"{index}: 'weight_map' is a {type(weight_map).__name__}, not a mapping of tensor "
+                                    "names to shard files. Pass the index that save_pretrained wrote.")
+    bad = [f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointFormatError(f"{index}: 'weight_map' values must be shard file names (strings); got "
+                                    f"{format_names(bad, quote=False)}. Pass the index that save_pretrained wrote.")
+    return weight_map
+
+
+def _inside(name: str) -> bool:
+    """Whether ``name`` is a relative path that stays inside the directory it is relative to."""
+    path = PurePosixPath(name)
+    return (not path.is_absolute() and ".." not in path.parts and "\\" not in name and "\x00" not in name
+            and name.strip() == name)

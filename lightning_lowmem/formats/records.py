@@ -1,21 +1,18 @@
 """What a checkpoint file holds, known from its headers alone (one record per tensor), and how its data is read.
 
 Every reader (``safetensors.py``, ``torch_zip.py``) gives :class:`TensorRecord` s from the
-file's headers and reads each tensor, or a block of its rows, on its own with
-:func:`read_exactly`, straight into the memory that becomes the tensor.
+file's headers and reads each tensor, or a block of its rows, on its own
+(``files.OpenedFile.read_into``), straight into the memory that becomes the tensor.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
-
-from lightning_lowmem.errors import CheckpointFormatError
 
 
 @dataclass(frozen=True)
@@ -63,6 +60,10 @@ class CheckpointFile(Protocol):
         """Rows ``start:stop`` (along dim 0) of ``key``, as :meth:`read` would give them."""
         ...
 
+    def check_unchanged(self) -> None:
+        """Raise when the file changed since it was opened."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -79,17 +80,3 @@ def row_span(record: TensorRecord, start: int, stop: int) -> tuple[int, tuple[in
         raise IndexError(f"rows {start}:{stop} of {record.key!r} (shape {record.shape})")
     row_bytes = math.prod(record.shape[1:]) * record.dtype.itemsize
     return start * row_bytes, (stop - start, *record.shape[1:])
-
-
-def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
-    """Fill the CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy between)."""
-    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(buffer):
-        n = os.preadv(fd, [buffer[done:]], offset + done)
-        if n == 0:
-            raise CheckpointFormatError(
-                f"{path} ends at byte {offset + done}, but a tensor needs {len(buffer) - done} more bytes there. "
-                "The file is truncated: download or save it again."
-            )
-        done += n

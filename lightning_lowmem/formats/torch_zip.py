@@ -1,173 +1,260 @@
 """Reading torch zip files (``torch.save``: ``.pt``, ``.pth``, ``.bin``, ``.ckpt``) one tensor at a time.
 
-The pickle inside is loaded with ``weights_only=True`` under a ``FakeTensorMode``:
-torch then builds every tensor without reading its data and records where its
-storage starts in the file (``untyped_storage()._checkpoint_offset``). Each
-tensor is later read on its own with ``os.preadv`` straight into the memory
-that becomes the parameter, so nothing maps the file and no page of it stays
-resident after the load. The file's other entries (a Lightning or Fabric
-checkpoint's optimizer state, counters) come from the same pickle, their
-tensors read the same way (:meth:`TorchZipFile.other_entries`): the weights are
-never read for them.
+The file is read through its zip central directory (Python's ``zipfile``): every record
+the pickle refers to must be there, stored (not compressed), and hold exactly the bytes
+its storage needs; each record's data is located from its own local header, so a file
+written by another zip writer reads the same as one written by torch. The pickle
+(``data.pkl``) is unpickled by :class:`~lightning_lowmem.formats.unpickler.InertUnpickler`:
+tensors become references to those records (checked to fit inside them), and objects
+of any other class (a LightningModule's hyper-parameters, callbacks' state) become
+inert placeholders: nothing the pickle names is imported, constructed or run. Each
+tensor is then read on its own with ``os.preadv`` straight into the memory that becomes
+the parameter; nothing maps the file. The file's other entries (optimizer state,
+counters) come from the same pickle (:meth:`TorchZipFile.other_entries`), their tensors
+read the same way.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
+import collections
+import io
+import logging
+import math
+import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError
-from lightning_lowmem.formats.records import TensorRecord, read_exactly, row_span
+from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError, format_names
+from lightning_lowmem.formats.discovery import ZIP_MAGIC
+from lightning_lowmem.formats.files import OpenedFile
+from lightning_lowmem.formats.records import TensorRecord, row_span
+from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef, inert_paths
 
-ZIP_MAGIC = b"PK\x03\x04"
+log = logging.getLogger(__name__)
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # the zip local file header (30 bytes)
+_RESAVE = "Load it with torch.load (if you trust it) and save it again with torch.save or safetensors.torch.save_file."
 
 
 @dataclass(frozen=True)
 class _Location:
-    offset: int  # byte offset of the storage in the file
-    storage_nbytes: int
-    storage_offset: int  # in elements
-    stride: tuple[int, ...]
-    contiguous: bool
+    offset: int  # byte offset of the storage's data in the file
+    ref: TensorRef
+
+    @property
+    def contiguous(self) -> bool:
+        expected, step = [], 1
+        for size in reversed(self.ref.shape):
+            expected.insert(0, step)
+            step *= size
+        return math.prod(self.ref.shape) <= 1 or all(
+            size == 1 or stride == want for size, stride, want in zip(self.ref.shape, self.ref.stride, expected))
 
 
-def _unsafe_reason(message: str) -> str:
-    """The line of torch's weights-only error that names the global it refused."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "Unsupported global" in line]
-    return (named or lines or ["(no detail)"])[0]
+class TorchZipFile(OpenedFile):
+    """A ``torch.save`` zip archive, planned from its pickle and read tensor by tensor.
 
-
-def _unwrap(obj: Any, path: Path) -> tuple[Mapping[str, Any], str]:
-    """The state dict inside a loaded checkpoint, and where it was found."""
-    if isinstance(obj, Mapping):
-        for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
-            inner = obj.get(entry)
-            if isinstance(inner, Mapping) and any(isinstance(v, torch.Tensor) for v in inner.values()):
-                return inner, entry
-        if any(isinstance(v, torch.Tensor) for v in obj.values()):
-            return obj, ""
-    raise CheckpointFormatError(
-        f"{path} holds a {type(obj).__name__} with no tensors at its top level nor under 'state_dict' "
-        "(Lightning) or 'model' (Fabric). Save the model's state_dict() and load that file."
-    )
-
-
-class TorchZipFile:
-    """A ``torch.save`` zip archive, planned from its pickle and read tensor by tensor."""
+    Args:
+        path: the file.
+        fd: a descriptor open on it (see :func:`~lightning_lowmem.formats.files.open_regular`); the reader owns it.
+    """
 
     def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
+        super().__init__(path, fd)
         self.entry = ""
-        self._fd = fd
+        self._refs: dict[str, StorageRef] = {}  # storage key -> what the pickle says of it
+        self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
+        self._crcs: dict[str, zipfile.ZipInfo] = {}  # storage key -> its record, whose CRC-32 reads are checked against
+        self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
         with open(fd, "rb", closefd=False) as f:  # the same descriptor: no second open of the file
-            if f.read(4) != ZIP_MAGIC:
-                raise CheckpointFormatError(
-                    f"{path} is not a torch zip archive; it may use torch's legacy format "
-                    "(_use_new_zipfile_serialization=False). Load it once with torch.load and save it again "
-                    "with torch.save (or safetensors.torch.save_file)."
-                )
-            self._check_byteorder(f)
-            self._checkpoint = self._load_fake(f)
-        size = os.fstat(fd).st_size
+            self._zip = _open_zip(f, path)
+            self._prefix = self._archive_prefix()
+            self._check_byteorder()
+            self._checkpoint, self.inert = self._unpickle()
+        self._state, self.entry = self._unwrap()
         self._records: dict[str, TensorRecord] = {}
         self._locations: dict[str, _Location] = {}
         for key, value in self._state.items():
-            if isinstance(value, torch.Tensor):
-                self._records[key] = TensorRecord(key=key, shape=tuple(value.shape), dtype=value.dtype, file=path)
-                self._locations[key] = self._locate(key, value, size)
+            ref = self._weight(key, value)
+            if ref is not None:
+                self._records[key] = TensorRecord(key, ref.shape, ref.dtype, path)
+                self._locations[key] = self._locate(key, ref)
 
-    def _locate(self, key: str, value: torch.Tensor, size: int) -> _Location:
-        storage = value.untyped_storage()
-        loc = _Location(offset=storage._checkpoint_offset, storage_nbytes=storage.nbytes(),
-                        storage_offset=value.storage_offset(), stride=tuple(value.stride()),
-                        contiguous=value.is_contiguous())
-        if loc.offset + loc.storage_nbytes > size:
+    # ------------------------------------------------------------ headers
+
+    def _archive_prefix(self) -> str:
+        pickles = [name for name in self._zip.namelist() if name.endswith("data.pkl") and name.count("/") == 1]
+        if len(pickles) != 1:
             raise CheckpointFormatError(
-                f"{self.path}: tensor {key!r} needs bytes {loc.offset}..{loc.offset + loc.storage_nbytes}, "
-                f"but the file has {size}. The file is truncated: download or save it again."
-            )
-        return loc
+                f"{self.path} is a zip archive but not a torch.save file: it holds {len(pickles)} '<name>/data.pkl' "
+                f"records ({format_names(pickles)}). {_RESAVE}")
+        return pickles[0][: -len("data.pkl")]
 
-    def _check_byteorder(self, f: BinaryIO) -> None:
+    def _info(self, name: str, limit: int | None = None, what: str = "its pickle") -> zipfile.ZipInfo:
+        """The central-directory entry of record ``name``: present, stored, within the file and ``limit``."""
         try:
-            with zipfile.ZipFile(f) as z:
-                names = [n for n in z.namelist() if n.endswith("/byteorder")]
-                order = z.read(names[0]).decode() if names else "little"
-        except zipfile.BadZipFile as e:
+            info = self._zip.getinfo(self._prefix + name)
+        except KeyError:
+            raise CheckpointFormatError(f"{self.path} has no record {self._prefix + name!r}, which {what} refers to. "
+                                        f"The file is incomplete or was altered. {_RESAVE}") from None
+        if info.compress_type != zipfile.ZIP_STORED:
             raise CheckpointFormatError(
-                f"{self.path} is a damaged zip archive ({e}); it is most likely truncated. "
-                "Download or save it again."
-            ) from e
+                f"{self.path}: record {info.filename!r} is compressed (zip method {info.compress_type}); torch.save "
+                f"stores records uncompressed, and lightning_lowmem reads them in place. {_RESAVE}")
+        if info.file_size > self.size or (limit is not None and info.file_size > limit):
+            raise CheckpointFormatError(
+                f"{self.path}: record {info.filename!r} claims {info.file_size} bytes"
+                + (f", more than the {limit} such a record may hold" if limit is not None else
+                   f", more than the file's {self.size}") + f". The file is damaged. {_RESAVE}")
+        return info
+
+    def _data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where the record's bytes start: after its local header, whose name must match the directory's."""
+        header = self.pread(_LOCAL_HEADER.size, info.header_offset)
+        if len(header) < _LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
+            raise CheckpointFormatError(f"{self.path}: record {info.filename!r} has no local header at byte "
+                                        f"{info.header_offset}; the file is damaged or truncated. {_RESAVE}")
+        fields = _LOCAL_HEADER.unpack(header)
+        name_length, extra_length = fields[-2], fields[-1]
+        name = self.pread(name_length, info.header_offset + _LOCAL_HEADER.size)
+        if name not in (info.filename.encode("utf-8"), info.filename.encode("cp437", errors="replace")):
+            raise CheckpointFormatError(f"{self.path}: the local header at byte {info.header_offset} names {name!r}, "
+                                        f"the central directory {info.filename!r}. The file is damaged. {_RESAVE}")
+        start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
+        if start + info.file_size > self.size:
+            raise CheckpointFormatError(
+                f"{self.path}: record {info.filename!r} needs bytes {start}..{start + info.file_size}, but the file "
+                f"has {self.size}. The file is truncated: download or save it again.")
+        return start
+
+    def _small_record(self, name: str, limit: int | None = None) -> bytes:
+        """A record read whole (the pickle, the byte order), checked against its CRC-32."""
+        info = self._info(name, limit)
+        data = self.pread(info.file_size, self._data_offset(info))
+        _check_crc(self.path, info, zlib.crc32(data), name)
+        return data
+
+    def _check_byteorder(self) -> None:
+        if self._prefix + "byteorder" not in self._zip.NameToInfo:
+            return
+        order = self._small_record("byteorder", limit=16).decode("ascii", errors="replace")
         if order != "little":
-            raise CheckpointFormatError(f"{self.path} was saved on a {order}-endian machine; re-save it on this one.")
+            raise CheckpointFormatError(f"{self.path} says its byte order is {order!r}; lightning_lowmem reads "
+                                        "little-endian files. Re-save it on a little-endian machine.")
 
-    def _load_fake(self, f: BinaryIO) -> Any:
-        """The whole pickled object, every tensor a fake one; sets :attr:`entry` and the state dict."""
+    def _unpickle(self) -> tuple[Any, set[str]]:
+        data = self._small_record("data.pkl")
+        unpickler = InertUnpickler(io.BytesIO(data), self._storage)
         try:
-            # A file object, not the path: torch >= 2.13 hands any path ending in .safetensors to
-            # safetensors, and we go by content, not by name.
-            f.seek(0)
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                obj = torch.load(f, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"{self.path} asks to run code when unpickled, and lightning_lowmem only loads data "
-                f"(weights_only=True). torch said: {_unsafe_reason(str(e))} "
-                "If you trust the file, allow the class with torch.serialization.add_safe_globals([...]); "
-                "better, save its state_dict() with safetensors.torch.save_file."
-            ) from e
-        except RuntimeError as e:
+            obj = unpickler.load()
+        except CheckpointFormatError:
+            raise
+        except Exception as e:  # a damaged or hostile pickle (RecursionError included): a format error
             raise CheckpointFormatError(
-                f"{self.path} could not be read as a torch zip archive ({e}). It may be truncated: "
-                "download or save it again."
+                f"{self.path}: its pickle (data.pkl) cannot be read: {type(e).__name__}: {str(e)[:200]}. {_RESAVE}"
             ) from e
-        self._state, self.entry = _unwrap(obj, self.path)
-        return obj
+        return obj, unpickler.inert
+
+    def _storage(self, key: str, dtype: torch.dtype | None, numel: int) -> StorageRef:
+        """The storage ``data/<key>`` the pickle refers to (its record is checked when a tensor uses it)."""
+        storage = self._refs.setdefault(key, StorageRef(key, dtype, numel))
+        if (storage.dtype, storage.numel) != (dtype, numel):
+            raise CheckpointFormatError(f"{self.path}: storage {key!r} is referred to as {storage.numel} x "
+                                        f"{storage.dtype} and as {numel} x {dtype}. The file is damaged. {_RESAVE}")
+        return storage
+
+    def _record_of(self, storage: StorageRef, key: str) -> int:
+        """Where the record ``data/<storage.key>`` starts; it must be there, stored, and exactly the storage's bytes."""
+        if storage.key not in self._offsets:
+            info = self._info(f"data/{storage.key}", what=f"tensor {key!r}")
+            if info.file_size != storage.nbytes:
+                raise CheckpointFormatError(
+                    f"{self.path}: tensor {key!r}: its storage record {info.filename!r} holds {info.file_size} bytes, "
+                    f"but the pickle says {storage.numel} x {storage.dtype or 'byte'} = {storage.nbytes} bytes. "
+                    f"The file is truncated or damaged: download or save it again.")
+            self._offsets[storage.key] = self._data_offset(info)
+            self._crcs[storage.key] = info
+        return self._offsets[storage.key]
+
+    def _unwrap(self) -> tuple[Mapping[str, Any], str]:
+        """The state dict inside the checkpoint, and the entry it was found under."""
+        obj = self._checkpoint
+        if isinstance(obj, Mapping):
+            for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
+                inner = obj.get(entry)
+                if isinstance(inner, Mapping) and any(isinstance(v, TensorRef) for v in inner.values()):
+                    return inner, entry
+            if any(isinstance(v, TensorRef) for v in obj.values()):
+                return obj, ""
+        if self.inert:
+            raise UnsafeCheckpointError(
+                f"{self.path} holds no state dict of tensors; its pickle asks to build "
+                f"{format_names(sorted(self.inert))}, which lightning_lowmem never imports or runs (nothing was "
+                "run). If you trust the file, load it with torch.load(weights_only=False) and save its state_dict() "
+                "with safetensors.torch.save_file.")
+        raise CheckpointFormatError(
+            f"{self.path} holds a {type(obj).__name__} with no tensors at its top level nor under 'state_dict' "
+            "(Lightning) or 'model' (Fabric). Save the model's state_dict() and load that file.")
+
+    def _weight(self, key: Any, value: Any) -> TensorRef | None:
+        """``value`` when it is a tensor of the state dict, None for anything else beside them; raises for a
+        tensor that cannot be read and for a key that is not a name."""
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"{self.path}: the state dict has the key {key!r} ({type(key).__name__}); "
+                                        "keys must be strings (module names). Save the model's state_dict().")
+        if isinstance(value, TensorRef):
+            return value
+        if isinstance(value, Inert) and value.name.startswith("torch."):
+            raise CheckpointFormatError(
+                f"{self.path}: tensor {key!r} is a kind lightning_lowmem cannot read (sparse, quantized, meta, "
+                f"nested or a tensor subclass; {value.name}). Convert it to a plain dense tensor and save the "
+                "state dict again.")
+        if isinstance(value, Inert):
+            log.info("%s: %r is not a tensor but an object built by %s; it is not loaded and nothing was run.",
+                     self.path, key, value.name)
+        return None  # not a weight (a module's _extra_state, a number): the plan reports it if it is expected
+
+    def _locate(self, key: str, ref: TensorRef) -> _Location:
+        """Where ``ref``'s data is, after checking its storage record and that its view fits inside it."""
+        storage, start = ref.storage, self._record_of(ref.storage, key)
+        itemsize = ref.dtype.itemsize
+        elements = storage.nbytes // itemsize
+        if storage.nbytes % itemsize:
+            raise CheckpointFormatError(f"{self.path}: tensor {key!r} is {ref.dtype}, but its storage holds "
+                                        f"{storage.nbytes} bytes, not a whole number of elements. {_RESAVE}")
+        if math.prod(ref.shape):
+            last = ref.offset + sum((size - 1) * stride for size, stride in zip(ref.shape, ref.stride))
+            if last >= elements:
+                raise CheckpointFormatError(
+                    f"{self.path}: tensor {key!r} (shape {list(ref.shape)}, stride {list(ref.stride)}, offset "
+                    f"{ref.offset}) reaches element {last} of a storage of {elements}. The file is damaged. {_RESAVE}")
+        return _Location(start, ref)
+
+    # ------------------------------------------------------------ data
 
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        rec = self._records[key]
-        return self._read_at(self._locations[key], rec.shape, rec.dtype, out)
+        return self._read(self._locations[key], out, key)
 
-    def _read_at(self, loc: _Location, shape: tuple[int, ...], dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def _read(self, loc: _Location, out: torch.Tensor | None = None, key: str = "") -> torch.Tensor:
+        ref = loc.ref
         if loc.contiguous:
-            out = torch.empty(shape, dtype=dtype) if out is None else out
-            if out.numel():
-                read_exactly(self._fd, out, loc.offset + loc.storage_offset * dtype.itemsize, self.path)
+            out = torch.empty(ref.shape, dtype=ref.dtype) if out is None else out
+            self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize)
+            if ref.offset == 0 and out.nbytes == ref.storage.nbytes:  # the whole record: check its CRC-32
+                _check_crc(self.path, self._crcs[ref.storage.key], _crc(out), key)
             return out
         # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
-        whole = torch.empty(loc.storage_nbytes // dtype.itemsize, dtype=dtype)
-        read_exactly(self._fd, whole, loc.offset, self.path)
-        return whole.as_strided(shape, loc.stride, loc.storage_offset).clone()
-
-    def other_entries(self) -> dict[str, Any]:
-        """The checkpoint's top-level entries other than the weights' (:attr:`entry`), tensors read for real.
-
-        Empty for a bare state dict. The weights are not read.
-        """
-        if not self.entry:
-            return {}
-        size = os.fstat(self._fd).st_size
-
-        def real(value: torch.Tensor) -> torch.Tensor:
-            return self._read_at(self._locate("(an entry beside the weights)", value, size),
-                                 tuple(value.shape), value.dtype)
-
-        return {name: apply_to_collection(value, torch.Tensor, real)
-                for name, value in self._checkpoint.items() if name != self.entry}
+        whole = self.read_into(torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype), loc.offset)
+        _check_crc(self.path, self._crcs[ref.storage.key], _crc(whole), key)
+        return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
     def reads_rows(self, key: str) -> bool:
         return self._locations[key].contiguous and len(self._records[key].shape) >= 1
@@ -178,9 +265,69 @@ class TorchZipFile:
             raise ValueError(f"{self.path}: {key!r} is a strided view; read it whole with read().")
         skip, shape = row_span(rec, start, stop)
         out = torch.empty(shape, dtype=rec.dtype) if out is None else out
-        if out.numel():
-            read_exactly(self._fd, out, loc.offset + loc.storage_offset * rec.dtype.itemsize + skip, self.path)
+        self.read_into(out, loc.offset + loc.ref.offset * rec.dtype.itemsize + skip)
+        self._check_rows_crc(key, loc, start, stop, out)
         return out
 
-    def close(self) -> None:
-        os.close(self._fd)
+    def _check_rows_crc(self, key: str, loc: _Location, start: int, stop: int, rows: torch.Tensor) -> None:
+        """Blocks of rows read in order, from the first to the last, are checked against the record's CRC-32."""
+        if loc.ref.offset != 0 or math.prod(loc.ref.shape) * loc.ref.dtype.itemsize != loc.ref.storage.nbytes:
+            return  # a view of part of its storage: its CRC covers bytes it does not read
+        expected, crc = self._rows_crc.pop(key, (0, 0))
+        if start != expected:
+            return  # out of order: not checked
+        crc = _crc(rows, crc)
+        if stop < loc.ref.shape[0]:
+            self._rows_crc[key] = (stop, crc)
+        else:
+            _check_crc(self.path, self._crcs[loc.ref.storage.key], crc, key)
+
+    def other_entries(self) -> tuple[dict[str, Any], list[str]]:
+        """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them
+        objects stand that were not built (``"hyper_parameters.path"``).
+
+        Empty for a bare state dict. The weights are not read.
+        """
+        if not self.entry:
+            return {}, []
+        rest = {name: value for name, value in self._checkpoint.items() if name != self.entry}
+        try:
+            return self._materialize(rest), inert_paths(rest)
+        except RecursionError as e:
+            raise CheckpointFormatError(f"{self.path}: its entries beside the weights nest too deeply to read. "
+                                        f"{_RESAVE}") from e
+
+    def _materialize(self, value: Any) -> Any:
+        """``value`` with every tensor reference read into a tensor of its own."""
+        if isinstance(value, TensorRef):
+            return self._read(self._locate("(an entry beside the weights)", value), key="(an entry beside the weights)")
+        if isinstance(value, dict):
+            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+            for k, v in value.items():
+                out[k] = self._materialize(v)
+            return out
+        if isinstance(value, (list, tuple)):
+            items = [self._materialize(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+
+def _crc(tensor: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a CPU tensor's bytes (zlib releases the GIL: a read-ahead thread computes it in parallel)."""
+    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
+
+
+def _check_crc(path: Path, info: zipfile.ZipInfo, crc: int, what: str) -> None:
+    if crc != info.CRC:
+        raise CheckpointFormatError(
+            f"{path}: {what or info.filename!r}: the bytes of record {info.filename!r} do not match the CRC-32 its zip "
+            f"directory records ({crc:#010x}, expected {info.CRC:#010x}). The file is damaged: download or save it "
+            "again.")
+
+
+def _open_zip(f: BinaryIO, path: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(f)
+    except Exception as e:  # zipfile raises BadZipFile, but also ValueError, NotImplementedError, ... on damaged files
+        raise CheckpointFormatError(f"{path} is a damaged zip archive ({e}); it is most likely truncated. "
+                                    "Download or save it again.") from e

@@ -14,8 +14,8 @@ A parameter counts as added when it is
   a new ``nn.Linear`` head),
 
 so it can be allocated and initialized the way the module's own ``__init__`` would
-have. Anything else that is missing is an error under ``strict=True``, raised
-before a byte of weights is read.
+have. Anything else that is missing is an error under ``strict=True``, and a tensor
+left on meta is an error either way, raised before a byte of weights is read.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, run_load
-from lightning_lowmem.errors import MetaTensorError, format_names
+from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import LoadPlan
@@ -70,7 +70,6 @@ def load_into(
     def initialize_added(prepared: PreparedLoad) -> None:
         added = _added_parameters(module, prepared.plan) if init_added else {}
         prepared.plan.check_keys(strict, allowed_missing=frozenset(added))
-        _check_fillable(module, prepared.plan, added)
         initialized = _initialize(module, added, device, options.dtype)
         if initialized:
             log.info("Initialized %d parameters that are not in %s: %s", len(initialized), prepared.plan.files,
@@ -95,20 +94,6 @@ def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]
         if callable(getattr(owner, "reset_parameters", None)) and all(n in missing and p.is_meta for n, p in own):
             added[name] = owner
     return added
-
-
-def _check_fillable(module: nn.Module, plan: LoadPlan, added: dict[str, nn.Module]) -> None:
-    """Fail before any read when a meta tensor is neither in the checkpoint nor initialized here."""
-    files = plan.files
-    meta = {n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta}
-    stuck = [n for n in plan.missing if n in meta and n not in added]
-    if stuck:
-        raise MetaTensorError(
-            f"{len(stuck)} tensors of the module are on the meta device and not in {files}: {format_names(stuck)}. "
-            "A parameter the module adds is initialized only when it is trainable (requires_grad) and its module "
-            "has reset_parameters() and no weights in the checkpoint. Put it in such a module, load a checkpoint "
-            "that has it, or pass key_map= if it is there under another name."
-        )
 
 
 def _initialize(module: nn.Module, added: dict[str, nn.Module], device: torch.device,

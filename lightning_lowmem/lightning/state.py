@@ -1,19 +1,24 @@
 """Lightning's objects around a model that is still on meta or was just streamed in.
 
 Shared by the Fabric strategy and the Trainer callback: moving a half-built model
-to its device, the dtype a precision plugin stands for, and re-pointing
-optimizers at the loaded parameters.
+to its device, the dtype a precision plugin stands for, re-pointing optimizers at
+the loaded parameters, and a checkpoint's entries beside the weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.dtypes import PRECISION_DTYPES
+from lightning_lowmem.errors import UnsafeCheckpointError, format_names
+from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import has_meta
 
 
@@ -71,3 +76,39 @@ def remap_optimizer_params(optimizers: Iterable[Optimizer], before: dict[str, nn
                 if id(param) == old_id:
                     optimizer.state[new] = optimizer.state.pop(param)
     return changed
+
+
+def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: bool | None) -> dict[str, Any]:
+    """A checkpoint's entries beside the weights (optimizer state, counters), for ``fabric.load``.
+
+    They come from the pickle the plan was made from, without reading the weights; entries holding
+    objects lightning_lowmem does not build (a LightningModule's hyper-parameters of any class) are
+    left out, with a warning naming them. ``weights_only=False``, Lightning's and torch's "I trust
+    this file", unpickles them as ``torch.load`` does, running what the file asks for.
+
+    Raises:
+        UnsafeCheckpointError: an entry named in ``requested`` holds such objects and ``weights_only`` is not False.
+    """
+    rest, not_built = ckpt.other_entries()
+    if not not_built:
+        return rest
+    if weights_only is False and len(ckpt.paths) == 1:
+        return _trusted_entries(ckpt, rest)
+    entries = sorted({path.split(".")[0].split("[")[0] for path in not_built})
+    asked = [name for name in entries if name in requested]
+    advice = ("Pass weights_only=False to fabric.load if you trust the file: its objects are then built as torch.load "
+              "builds them, which runs code the file names.")
+    if asked:
+        raise UnsafeCheckpointError(
+            f"{ckpt.description}: the entries {format_names(asked)} you asked to restore hold objects that "
+            f"lightning_lowmem does not build ({format_names(not_built)}); nothing was run. {advice}")
+    rank_zero_warn(f"{ckpt.description}: not restored: {format_names(entries)}, which hold objects lightning_lowmem "
+                   f"does not build ({format_names(not_built)}); nothing was run. {advice}")
+    return {name: value for name, value in rest.items() if name not in entries}
+
+
+def _trusted_entries(ckpt: Checkpoint, rest: dict[str, Any]) -> dict[str, Any]:
+    """The other entries unpickled by ``torch.load(weights_only=False)``: mapped, the weights never touched."""
+    full = torch.load(ckpt.paths[0], mmap=True, map_location="cpu", weights_only=False)
+    kept = {name: full[name] for name in rest if name in full}
+    return apply_to_collection(kept, torch.Tensor, lambda t: t.clone())  # no mapping outlives this call

@@ -36,7 +36,12 @@ from lightning_lowmem.engine import LoadOptions, LoadReport, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.load import load_into
-from lightning_lowmem.lightning.state import module_to_device_skipping_meta, plugin_dtype, remap_optimizer_params
+from lightning_lowmem.lightning.state import (
+    module_to_device_skipping_meta,
+    other_entries,
+    plugin_dtype,
+    remap_optimizer_params,
+)
 from lightning_lowmem.meta import has_meta, init_empty
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import Combine, KeyMap
@@ -176,7 +181,8 @@ class LowMemStrategy(SingleDeviceStrategy):
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
         with opened(path) as ckpt:  # once: headers, the other entries, then the weights
-            entry, rest = ckpt.entry, ckpt.other_entries()
+            entry = ckpt.entry
+            rest = other_entries(ckpt, state, weights_only)
             modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
             if entry:
                 key = entry if isinstance(state.get(entry), nn.Module) else None

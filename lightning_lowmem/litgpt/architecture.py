@@ -68,6 +68,12 @@ class LitgptArchitecture(Architecture):
         """Drop the RoPE tables to zero rows: they are built when first used, at the length used."""
         return release_all_rope(module, device)
 
+    def fills(self, module: nn.Module) -> set[str]:
+        """The RoPE tables (released before the load, so never left on meta), and what any module recomputes."""
+        rope = {f"{name}.{table}" if name else table for name, sub in module.named_modules() if is_litgpt_like(sub)
+                for table in ("cos", "sin")}
+        return rope | super().fills(module)
+
 
 def _gpt(module: nn.Module) -> nn.Module | None:
     """``module`` itself or the first submodule with litgpt ``GPT``'s internals."""

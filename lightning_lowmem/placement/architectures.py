@@ -2,7 +2,8 @@
 
 A checkpoint's headers give the weights' bytes; they do not say what a forward
 keeps beside them (KV caches, a causal mask, RoPE tables), what its activations
-take, or which buffers computed in ``__init__`` a load should release first.
+take, which buffers computed in ``__init__`` a load should release first, or how
+buffers left on meta are rebuilt after it.
 An :class:`Architecture` answers those for one model family; :func:`architecture_of`
 gives the registered one that recognises a module, else :data:`GENERIC`.
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.meta import recomputable_buffers, recompute_meta_buffers
 from lightning_lowmem.placement.layers import find_blocks, layer_name
 
 
@@ -96,6 +98,15 @@ class Architecture:
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
         """Release buffers that are rebuilt when first used (none for a generic module); returns their names."""
         return []
+
+    def fills(self, module: nn.Module) -> set[str]:
+        """The meta tensors of ``module`` that :meth:`before_load` and :meth:`after_load` make real without the
+        checkpoint: for a generic module, the non-persistent buffers its modules can recompute."""
+        return recomputable_buffers(module)
+
+    def after_load(self, module: nn.Module, device: torch.device) -> list[str]:
+        """Make real on ``device`` what :meth:`fills` names; returns their names."""
+        return recompute_meta_buffers(module, device)
 
 
 def _width(module: nn.Module) -> int:

@@ -5,7 +5,9 @@ to (several when weights are tied), the checkpoint record it comes from (or the
 records a :class:`~lightning_lowmem.plan.combine.Combine` builds it from), the
 dtype and device it will have, and the scheme it is stored in once quantized.
 Missing keys, unexpected keys and shape mismatches are found here, so a bad
-checkpoint fails before a byte is read. Later stages fill in what they decide:
+checkpoint fails before a byte is read. A non-persistent buffer (RoPE tables, position ids) is
+never missing; the checkpoint fills it only when it is still on meta and the checkpoint holds it
+with the same shape and dtype. Later stages fill in what they decide:
 quantization (:attr:`Target.scheme`), placement (:attr:`Target.device`).
 """
 
@@ -15,7 +17,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -135,7 +137,7 @@ def make_plan(
         CheckpointMismatchError: a tensor's shape differs from the module's.
     """
     groups = _module_tensors(module)
-    by_name = {name: gid for gid, (names, _, _) in groups.items() for name in names}
+    by_name = {name: gid for gid, group in groups.items() for name in group.names}
     prefix_note = ""
     if key_map is None:
         key_map, prefix_note = guess_prefix(set(by_name), list(records))
@@ -145,8 +147,12 @@ def make_plan(
     plan = LoadPlan([], prefix_note=prefix_note, files=files)
     bad_shapes: list[str] = []
     used: set[str] = set()
-    for gid, (names, tensor, is_param) in groups.items():
+    for gid, (names, tensor, is_param, optional) in groups.items():
         rec, parts = source.get(gid), ()
+        if optional:  # a non-persistent buffer: taken from the checkpoint only to fill a meta one exactly
+            if rec is not None and tensor.is_meta and (rec.shape, rec.dtype) == (tuple(tensor.shape), tensor.dtype):
+                plan.targets.append(Target(names, rec, False, tensor.dtype, _target_device(tensor, device)))
+            continue
         if rec is None and combine is not None:
             rec, parts = _combined(plan, names, combine, records, bad_shapes)
             used.update(p.key for p in parts)
@@ -169,16 +175,24 @@ def make_plan(
     return plan
 
 
-def _module_tensors(module: nn.Module) -> dict[int, tuple[list[str], torch.Tensor, bool]]:
-    """Parameters and persistent buffers in module order, grouped by identity (ties)."""
-    groups: dict[int, tuple[list[str], torch.Tensor, bool]] = {}
+class _Group(NamedTuple):
+    """One tensor of the module under all its names (ties)."""
+
+    names: list[str]
+    tensor: torch.Tensor
+    is_parameter: bool
+    optional: bool  # a non-persistent buffer: never missing, loaded only into a meta buffer it fits exactly
+
+
+def _module_tensors(module: nn.Module) -> dict[int, _Group]:
+    """Parameters and buffers in module order, grouped by identity (ties)."""
+    groups: dict[int, _Group] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        own = [(n, p, True) for n, p in mod._parameters.items() if p is not None]
-        own += [(n, b, False) for n, b in mod._buffers.items()
-                if b is not None and n not in mod._non_persistent_buffers_set]
-        for name, tensor, is_param in own:
-            groups.setdefault(id(tensor), ([], tensor, is_param))[0].append(prefix + name)
+        own = [(n, p, True, False) for n, p in mod._parameters.items() if p is not None]
+        own += [(n, b, False, n in mod._non_persistent_buffers_set) for n, b in mod._buffers.items() if b is not None]
+        for name, tensor, is_param, optional in own:
+            groups.setdefault(id(tensor), _Group([], tensor, is_param, optional)).names.append(prefix + name)
     return groups
 
 

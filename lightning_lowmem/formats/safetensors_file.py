@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -11,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from lightning_lowmem.errors import CheckpointFormatError
-from lightning_lowmem.formats.records import TensorRecord, read_exactly, row_span
+from lightning_lowmem.formats.files import OpenedFile
+from lightning_lowmem.formats.records import TensorRecord, row_span
 
 _DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
@@ -21,7 +21,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class SafetensorsFile:
+class SafetensorsFile(OpenedFile):
     """A safetensors file, validated by the ``safetensors`` package, read with ``os.preadv``.
 
     Opening checks the header with ``safe_open`` (offsets that cover the file exactly,
@@ -37,8 +37,7 @@ class SafetensorsFile:
     """
 
     def __init__(self, path: Path, fd: int) -> None:
-        self.path = path
-        self._fd = fd
+        super().__init__(path, fd)
         try:
             with safe_open(str(path), framework="pt", device="cpu", backend="pread") as handle:
                 self._records = {key: self._record(handle, key) for key in handle.keys()}
@@ -53,8 +52,8 @@ class SafetensorsFile:
 
     def _read_offsets(self) -> dict[str, int]:
         """Absolute byte offset of each tensor's data (the header was validated by ``safe_open``)."""
-        (size,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-        header = json.loads(os.pread(self._fd, size, 8))
+        (size,) = struct.unpack("<Q", self.pread(8, 0))
+        header = json.loads(self.pread(size, 8))
         return {key: 8 + size + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"}
 
     def _record(self, handle, key: str) -> TensorRecord:
@@ -85,7 +84,7 @@ class SafetensorsFile:
         """``shape`` worth of tensor ``key``'s data, from ``skip`` bytes into it."""
         out = torch.empty(shape, dtype=self._records[key].dtype) if out is None else out
         try:
-            read_exactly(self._fd, out, self._offsets[key] + skip, self.path)
+            self.read_into(out, self._offsets[key] + skip)
         except CheckpointFormatError as e:
             raise CheckpointFormatError(f"Tensor {key!r}: {e}") from e  # e names the file and the offset
         except OSError as e:
@@ -94,6 +93,3 @@ class SafetensorsFile:
                 "The file may be truncated or corrupt: download or save it again."
             ) from e
         return out
-
-    def close(self) -> None:
-        os.close(self._fd)
