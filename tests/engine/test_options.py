@@ -56,9 +56,9 @@ def test_device_and_max_memory_together():
 
 
 @pytest.mark.parametrize("field", ["context", "batch_size"])
-@pytest.mark.parametrize("value", [0, -1, True, 2.0])
-def test_context_and_batch_size_are_positive_ints(field, value):
-    with pytest.raises(TypeError, match=rf"{field} must be an int >= 1"):
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), (-1, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_context_and_batch_size_are_positive_ints(field, value, error):
+    with pytest.raises(error, match=rf"{field} must be an int >= 1"):
         LoadOptions(**{field: value})
     assert getattr(LoadOptions(**{field: 3}), field) == 3
 

@@ -22,6 +22,13 @@ def test_skip_quantize_globs(quant_checkpoint, quant_load, quant_linears):
     assert type(model.lm_head.weight).__name__ == "Int8Tensor"
 
 
+def test_a_skip_pattern_that_matches_no_module_is_a_warning(quant_checkpoint, quant_load):
+    with pytest.warns(UserWarning, match=r"skip_quantize patterns 'model\.transformer\.h\.0\.\*' match no module.*"
+                                         r"'transformer\.h\.0\.attn\.qkv'"):
+        _, report = quant_load(quant_checkpoint, quantize="torchao.int8wo", skip_quantize="model.transformer.h.0.*")
+    assert "transformer.h.0.attn.qkv" in report.quantized  # the warning says why
+
+
 @pytest.fixture(scope="module")
 def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """A tiny Llama with tied embeddings and a GPT-NeoX with its own output head, written sharded by save_pretrained."""
