@@ -1,41 +1,203 @@
-"""Shared fixtures: tiny real models and their checkpoints, written with the tools users use."""
+"""Shared fixtures: tiny real models and their checkpoints, written with the tools users use.
+
+Every litgpt model of the suite comes from ``tiny_config`` and ``tiny_gpt`` (2 layers, 32 dims unless a
+test overrides a field); checkpoints are written by safetensors' ``save_file``, ``torch.save``,
+transformers' ``save_pretrained`` and litgpt's own ``save_config`` / ``convert_hf_checkpoint``.
+Test files import nothing from each other or from here: what they share is a fixture.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
 import json
+import os
+import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 warnings.filterwarnings("ignore", message=".*register_constant.*")
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def tiny_litgpt_config(**overrides):
-    from litgpt import Config
 
-    kwargs = dict(name="tiny", block_size=64, vocab_size=96, padded_vocab_size=96, n_layer=2, n_head=4,
-                  n_embd=32, rotary_percentage=0.25, parallel_residual=True, bias=True)
-    kwargs.update(overrides)
-    return Config(**kwargs)
+# ---------------------------------------------------------------- tiny litgpt models
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    """``tiny_config(kind="pythia", **overrides)``: a 2-layer, 32-dim litgpt ``Config``.
+
+    ``pythia``: multi-head, partial RoPE, parallel residual, LayerNorm, GPT-NeoX MLP (litgpt's defaults);
+    ``gqa``: Llama-like, 2 query groups; ``sliding``: ``gqa`` with an 8-token sliding window on layer 0.
+    """
+    def make(kind: str = "pythia", **overrides):
+        from litgpt import Config
+
+        common = dict(n_layer=2, n_embd=32, n_head=4, block_size=64, vocab_size=100, padded_vocab_size=128)
+        if kind == "pythia":
+            kwargs = dict(name="pythia-tiny", rotary_percentage=0.25, parallel_residual=True, bias=True,
+                          norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", intermediate_size=128)
+        elif kind in ("gqa", "sliding"):
+            kwargs = dict(name=f"llama-{kind}", n_query_groups=2, rotary_percentage=1.0, parallel_residual=False,
+                          bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+            if kind == "sliding":
+                kwargs.update(sliding_window_size=8, sliding_window_indices=[1, 0])
+        else:
+            raise ValueError(kind)
+        return Config(**{**common, **kwargs, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt():
+    """``tiny_gpt(config, dtype=torch.float32, seed=0, std=None)``: litgpt's ``GPT`` built for real, in eval mode.
+
+    ``std``: re-draw every parameter from N(0, std) (larger weights than litgpt's init, so greedy tokens
+    vary); None keeps litgpt's own init.
+    """
+    def make(config, dtype: torch.dtype = torch.float32, seed: int = 0, std: float | None = None) -> nn.Module:
+        from litgpt import GPT
+
+        torch.manual_seed(seed)
+        model = GPT(config)
+        if std is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, std)
+        return model.to(dtype).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def meta_gpt():
+    """``meta_gpt(config, include_buffers=False)``: litgpt's ``GPT`` built under ``init_empty()``."""
+    def make(config, include_buffers: bool = False) -> nn.Module:
+        from litgpt import GPT
+
+        from lightning_lowmem import init_empty
+
+        with init_empty(include_buffers=include_buffers):
+            return GPT(config)
+
+    return make
 
 
 @pytest.fixture
-def litgpt_config():
-    return tiny_litgpt_config()
+def litgpt_config(tiny_config):
+    return tiny_config()
 
 
 @pytest.fixture
-def litgpt_model(litgpt_config):
-    from litgpt import GPT
-
-    torch.manual_seed(0)
-    return GPT(litgpt_config).eval()
+def litgpt_model(litgpt_config, tiny_gpt):
+    return tiny_gpt(litgpt_config)
 
 
-def write_checkpoint(state: dict[str, torch.Tensor], kind: str, directory: Path) -> Path:
-    """Write ``state`` the way users do; returns what to pass to ``load_checkpoint``."""
+@pytest.fixture(scope="session")
+def lora_config(tiny_config):
+    """``lora_config(**overrides)``: the tiny config as litgpt's LoRA ``Config`` (r=4 on query and value)."""
+    def make(**overrides):
+        from litgpt.lora import Config
+
+        base = {k: v for k, v in vars(tiny_config(**overrides)).items() if k != "rope_n_elem"}
+        return Config(**base | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def lora_key_map():
+    """litgpt's LoRA GPT wraps each Linear as ``<name>.linear``: the key map from the base model's keys to it."""
+    pattern = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
+    return lambda key: pattern.sub(r"\1.linear.\2", key)
+
+
+@pytest.fixture(scope="session")
+def eager_gpt():
+    """``eager_gpt(reference, dtype)``: what users do without this library: a real GPT built in ``dtype`` and
+    ``load_state_dict`` of ``reference``'s weights, in eval mode."""
+    def build(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
+        from litgpt import GPT
+
+        model = GPT(reference.config).to(dtype)
+        model.load_state_dict(reference.state_dict())
+        return model.eval()
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def lit_module():
+    """``lit_module(config, lora=False, build_in_init=False)``: a LightningModule wrapping one litgpt GPT as
+    ``self.model``, built in ``configure_model`` (the class; Lightning is imported only by the tests that use it)."""
+    import lightning as L
+
+    class LitGPT(L.LightningModule):
+        def __init__(self, config, lora: bool = False, build_in_init: bool = False) -> None:
+            super().__init__()
+            self.config, self.lora = config, lora
+            self.model: nn.Module | None = None
+            self.losses: list[float] = []
+            self.optimizer_configured = False
+            if build_in_init:
+                self.configure_model()
+
+        def configure_model(self) -> None:
+            if self.model is not None:  # idempotent, as Lightning asks
+                return
+            if self.lora:
+                from litgpt.lora import GPT, mark_only_lora_as_trainable
+
+                self.model = GPT(self.config)
+                mark_only_lora_as_trainable(self.model)
+            else:
+                from litgpt import GPT
+
+                self.model = GPT(self.config)
+
+        def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+            logits = self.model(batch[:, :-1])
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self._loss(batch)
+            self.losses.append(loss.item())
+            return loss
+
+        def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.log("val_loss", self._loss(batch))
+
+        def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            self.log("test_loss", self._loss(batch))
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            self.optimizer_configured = True
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=5e-2)
+
+    return LitGPT
+
+
+# ---------------------------------------------------------------- checkpoints
+
+@pytest.fixture(scope="session")
+def write_checkpoint():
+    """``write_checkpoint(state, kind, directory)``: ``state`` written the way users do; returns what to pass
+    to ``load_checkpoint``. ``kind``: safetensors, pth, lightning, fabric, sharded-safetensors, sharded-bin."""
+    return _write_checkpoint
+
+
+def _write_checkpoint(state: dict[str, torch.Tensor], kind: str, directory: Path) -> Path:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -76,4 +238,404 @@ def _write_shards(state: dict[str, torch.Tensor], directory: Path, pickle: bool,
     return index
 
 
-FORMATS = ["safetensors", "sharded-safetensors", "pth", "sharded-bin", "lightning", "fabric"]
+@pytest.fixture(params=["safetensors", "sharded-safetensors", "pth", "sharded-bin", "lightning", "fabric"])
+def checkpoint_format(request) -> str:
+    """Every checkpoint layout ``write_checkpoint`` writes."""
+    return request.param
+
+
+class ReadRecorder:
+    """What was read from checkpoints: each ``Checkpoint.read`` and ``Checkpoint.read_rows`` call, in order.
+
+    ``before_rows``, when set, is called with ``(key, start, stop)`` before each block of rows is read
+    (to change the file under the load).
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int | None, int | None]] = []  # (key, start, stop); whole reads: None, None
+        self.before_rows = None
+
+    @property
+    def whole(self) -> list[str]:
+        """Keys read whole, in order."""
+        return [key for key, start, _ in self.calls if start is None]
+
+    @property
+    def rows(self) -> list[tuple[str, int, int]]:
+        """Blocks of rows read, in order."""
+        return [call for call in self.calls if call[1] is not None]
+
+    @property
+    def keys(self) -> list[str]:
+        """Every key read, whole or by rows, once per call."""
+        return [key for key, _, _ in self.calls]
+
+
+@pytest.fixture
+def read_recorder(monkeypatch) -> ReadRecorder:
+    """A spy on ``Checkpoint.read`` and ``Checkpoint.read_rows``: records each call, then runs the real method."""
+    from lightning_lowmem import Checkpoint
+
+    recorder = ReadRecorder()
+    real_read, real_rows = Checkpoint.read, Checkpoint.read_rows
+
+    @functools.wraps(real_read)
+    def read(self, key, *args, **kwargs):
+        recorder.calls.append((key, None, None))
+        return real_read(self, key, *args, **kwargs)
+
+    @functools.wraps(real_rows)
+    def read_rows(self, key, start, stop, *args, **kwargs):
+        recorder.calls.append((key, start, stop))
+        if recorder.before_rows is not None:
+            recorder.before_rows(key, start, stop)
+        return real_rows(self, key, start, stop, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "read", read)
+    monkeypatch.setattr(Checkpoint, "read_rows", read_rows)
+    return recorder
+
+
+# ---------------------------------------------------------------- litgpt and HF checkpoint directories
+
+def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer: token ``t<i>`` is id ``i``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}))
+
+
+@pytest.fixture(scope="session")
+def write_litgpt_dir(tiny_gpt):
+    """``write_litgpt_dir(directory, config, dtype=torch.float32, tokenizer=True, seed=0)``: ``lit_model.pth`` +
+    ``model_config.yaml`` (+ a tokenizer) as litgpt writes them, weights drawn from N(0, 0.3); returns the
+    directory."""
+    def write(directory: Path, config, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
+              seed: int = 0) -> Path:
+        from litgpt.utils import save_config
+
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(tiny_gpt(config, dtype, seed, std=0.3).state_dict(), directory / "lit_model.pth")
+        save_config(config, directory)
+        if tokenizer:
+            _write_tokenizer(directory, config.padded_vocab_size)
+        return directory
+
+    return write
+
+
+# Tiny transformers models of litgpt families whose conversion fuses q, k and v: (transformers class, kwargs, litgpt
+# config kwargs). GQA (2 key-value heads for 4 query heads) unless said otherwise.
+HF_FUSED = {
+    "llama": ("LlamaForCausalLM", dict(num_key_value_heads=4), dict(name="llama-tiny", n_query_groups=4)),
+    "llama-gqa": ("LlamaForCausalLM", dict(num_key_value_heads=2), dict(name="llama-gqa")),
+    "qwen2.5": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, rope_theta=1e6),  # q, k, v biases
+                dict(name="Qwen2.5-tiny", attn_bias=True, rope_base=1_000_000)),
+    "gemma": ("GemmaForCausalLM", dict(num_key_value_heads=1, head_dim=8, hidden_activation="gelu_pytorch_tanh"),
+              dict(name="Gemma-tiny", n_query_groups=1, mlp_class_name="GemmaMLP", gelu_approximate="tanh",
+                   scale_embeddings=True)),  # RMSNorm (1 + w): litgpt keys it on "Gemma" in the name
+    "phi-3": ("Phi3ForCausalLM", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+              dict(name="Phi-3-tiny", n_query_groups=4)),  # q, k, v fused in one qkv_proj, gate_up_proj too
+    "olmo-2": ("Olmo2ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               dict(name="OLMo-2-tiny", norm_qk=True, norm_qk_type="olmo2", post_attention_norm=True,
+                    post_mlp_norm=True, norm_1=False, norm_2=False)),
+}
+
+
+@pytest.fixture(scope="session")
+def write_hf_dir(tiny_config):
+    """``write_hf_dir(directory, family, *, hidden=32, tie=False, max_shard_size=None, tokenizer=True)``: an HF
+    checkpoint of ``family`` (llama, llama-gqa, qwen2.5, gemma, phi-3, olmo-2) as ``save_pretrained`` writes it,
+    ``model_config.yaml`` beside it; returns the transformers model and the litgpt config."""
+    def write(directory: Path, family: str, *, hidden: int = 32, tie: bool = False,
+              max_shard_size: str | None = None, tokenizer: bool = True):
+        import transformers
+        from litgpt.utils import save_config
+
+        cls, hf_kwargs, lit_kwargs = HF_FUSED[family]
+        hf_config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(
+            vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+            **hf_kwargs)
+        torch.manual_seed(0)
+        hf = getattr(transformers, cls)(hf_config).eval()
+        with torch.no_grad():  # larger weights than the default init, so greedy tokens vary
+            for p in hf.parameters():
+                p.normal_(0, 0.3)
+        hf.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        config = tiny_config("gqa", n_embd=hidden, intermediate_size=2 * hidden, vocab_size=128,
+                             padded_vocab_size=128, norm_eps=1e-5, **lit_kwargs)
+        save_config(config, directory)
+        if tokenizer:
+            _write_tokenizer(directory, 128)
+        return hf, config
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def litgpt_converted():
+    """``litgpt_converted(directory, config, destination)``: a copy of HF ``directory`` converted by litgpt's own
+    ``convert_hf_checkpoint`` (``lit_model.pth``); returns ``destination``."""
+    def convert_copy(directory: Path, config, destination: Path) -> Path:
+        import shutil
+
+        import litgpt.scripts.convert_hf_checkpoint as convert
+
+        shutil.copytree(directory, destination)
+        original = convert.Config.from_name
+        convert.Config.from_name = lambda name, **kwargs: config  # the tiny config is no litgpt model name
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                convert.convert_hf_checkpoint(checkpoint_dir=destination, model_name=config.name)
+        finally:
+            convert.Config.from_name = original
+        return destination
+
+    return convert_copy
+
+
+@pytest.fixture(scope="session")
+def litgpt_cli_tokens():
+    """``litgpt_cli_tokens(directory, prompt, precision, max_new_tokens)``: litgpt's own CLI (``litgpt generate``,
+    greedy), run in-process; the ids parsed back from its ``t<i>`` text."""
+    def run(directory: Path, prompt: str, precision: str, max_new_tokens: int) -> list[int]:
+        from litgpt.generate.base import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            main(directory, prompt=prompt, max_new_tokens=max_new_tokens, top_k=1, precision=precision)
+        return [int(t) for t in re.findall(r"\bt(\d+)\b", out.getvalue().strip().splitlines()[-1])]
+
+    return run
+
+
+# ---------------------------------------------------------------- quantization: the libraries' own after-load paths
+
+@pytest.fixture(scope="session")
+def quantize_after_load():
+    """``quantize_after_load(model, scheme, skip=("lm_head",))``: an already loaded model quantized the way each
+    library documents it: bitsandbytes' "swap in Linear4bit / Linear8bitLt and call ``.to(device)``", torchao's
+    ``quantize_(model, config)``."""
+    def quantize(model: nn.Module, scheme: str, skip: tuple[str, ...] = ("lm_head",)) -> nn.Module:
+        import torchao.quantization as torchao_q
+
+        get = getattr(model, "get_input_embeddings", None)
+        tied = get().weight if callable(get) else None
+
+        def wanted(module: nn.Module, name: str) -> bool:
+            return type(module) is nn.Linear and name not in skip and module.weight is not tied
+
+        device = next(model.parameters()).device
+        if scheme.startswith("torchao."):
+            torchao_q.quantize_(model, _torchao_config(scheme, device), filter_fn=wanted)
+            return model
+        for name, mod in list(model.named_modules()):
+            if wanted(mod, name):
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent), leaf, _bnb_module(mod, scheme))
+        return model.to(device)  # bitsandbytes quantizes on .to(device)
+
+    return quantize
+
+
+def _torchao_config(scheme: str, device: torch.device):
+    import torchao.quantization as torchao_q
+
+    if scheme == "torchao.int4wo":  # CUDA: torch's tinygemm layout; elsewhere the plain layout (mslk)
+        from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+        packing = Int4PackingFormat.TILE_PACKED_TO_4D if device.type == "cuda" else Int4PackingFormat.PLAIN
+        return torchao_q.Int4WeightOnlyConfig(group_size=128, int4_packing_format=packing)
+    return {"torchao.int8wo": torchao_q.Int8WeightOnlyConfig,
+            "torchao.int8dq": torchao_q.Int8DynamicActivationInt8WeightConfig}[scheme]()
+
+
+def _bnb_module(linear: nn.Linear, scheme: str) -> nn.Module:
+    import bitsandbytes as bnb
+
+    args = (linear.in_features, linear.out_features, linear.bias is not None)
+    if scheme == "bnb.int8":
+        new = bnb.nn.Linear8bitLt(*args, has_fp16_weights=False, threshold=6.0, device="meta")
+        new.weight = bnb.nn.Int8Params(linear.weight.data, requires_grad=False, has_fp16_weights=False)
+    else:
+        quant_type, dq = scheme[4:7], scheme.endswith("-dq")
+        new = bnb.nn.Linear4bit(*args, compute_dtype=linear.weight.dtype, compress_statistics=dq,
+                                quant_type=quant_type, device="meta")
+        new.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, compress_statistics=dq,
+                                       quant_type=quant_type, module=new)
+    new.bias = linear.bias
+    return new
+
+
+def _inner(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors that hold a quantized weight's data."""
+    if hasattr(weight, "__tensor_flatten__"):
+        names, _ = weight.__tensor_flatten__()
+        return {name: getattr(weight, name) for name in names}
+    out = {"data": weight.data}
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        out |= {k: v for k, v in state.as_dict().items() if isinstance(v, torch.Tensor)}
+    if getattr(weight, "SCB", None) is not None:
+        out["SCB"] = weight.SCB
+    return out
+
+
+@pytest.fixture(scope="session")
+def assert_same_weights():
+    """``assert_same_weights(model, ref)``: every Linear of ``model`` is of ``ref``'s type and holds the same
+    tensors (codes, scales, quantization state), bit for bit."""
+    def check(model: nn.Module, ref: nn.Module) -> None:
+        ref_modules = dict(ref.named_modules())
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                assert type(mod) is type(ref_modules[name]), name
+                got, want = _inner(mod.weight), _inner(ref_modules[name].weight)
+                assert got.keys() == want.keys(), name
+                for key in want:
+                    assert torch.equal(got[key], want[key]), f"{name}: {key}"
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def forward_logits():
+    """``forward_logits(model)``: fp32 logits of a fixed 2 x 16 batch of token ids below 128, on the model's device."""
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def run(model: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(tokens.to(next(model.parameters()).device))
+        return (out.logits if hasattr(out, "logits") else out).float()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def quant_config(tiny_config):
+    """The tiny pythia config widened for the quantization kernels: 128 dims (bitsandbytes' CPU kernel needs
+    in_features >= 64), an MLP of 256 and a vocabulary of 256."""
+    return tiny_config("pythia", n_embd=128, intermediate_size=256, vocab_size=256, padded_vocab_size=256,
+                       block_size=32)
+
+
+@pytest.fixture(scope="session")
+def quant_checkpoint(tmp_path_factory, quant_config, tiny_gpt) -> Path:
+    """A bf16 safetensors file of ``quant_config``'s GPT."""
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("lit") / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_gpt(quant_config, torch.bfloat16).state_dict().items()}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def quant_load(quant_config, meta_gpt):
+    """``quant_load(path, **load_checkpoint_kwargs)``: ``quant_config``'s GPT built on meta and loaded in bf16;
+    returns ``(model, report)``."""
+    def load(path, **kwargs):
+        from lightning_lowmem import load_checkpoint
+
+        model = meta_gpt(quant_config)
+        report = load_checkpoint(model, path, dtype=torch.bfloat16, **kwargs)
+        return model, report
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def quant_linears(quant_config, meta_gpt):
+    """``quant_linears(skip=("lm_head",))``: the names of ``quant_config``'s ``nn.Linear`` modules not in ``skip``."""
+    def names(skip: tuple[str, ...] = ("lm_head",)) -> set[str]:
+        model = meta_gpt(quant_config)
+        return {n for n, m in model.named_modules() if type(m) is nn.Linear and n not in skip}
+
+    return names
+
+
+# ---------------------------------------------------------------- fresh-process measurements
+
+@pytest.fixture(scope="session")
+def large_checkpoint(tmp_path_factory, tiny_config):
+    """A litgpt GPT of 160 M parameters (304 MiB in bf16; 10 layers of 12.6 M, the largest Linear 4 Mi
+    elements) as a bf16 safetensors file with its ``model_config.yaml``: ``(path, config)``."""
+    from litgpt import GPT
+    from litgpt.utils import save_config
+    from safetensors.torch import save_file
+
+    config = tiny_config("pythia", n_layer=10, n_embd=1024, n_head=8, block_size=128, vocab_size=16384,
+                         padded_vocab_size=16384, intermediate_size=4096)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPT(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    directory = tmp_path_factory.mktemp("mem")
+    path = directory / "model.safetensors"
+    save_file({k: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16) for k, s in shapes.items()}, path)
+    save_config(config, directory)
+    return path, config
+
+
+@pytest.fixture(scope="session")
+def child_env() -> dict[str, str]:
+    """The environment of a fresh Python process that imports this checkout's ``lightning_lowmem``."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+@pytest.fixture(scope="session")
+def peak_model_dir(tmp_path_factory, tiny_config, write_litgpt_dir) -> Path:
+    """A 45M-parameter bf16 pythia-like checkpoint (87 MiB) with a tokenizer, written once per test session."""
+    config = tiny_config("pythia", n_layer=4, n_embd=512, n_head=8, intermediate_size=2048, vocab_size=32000,
+                         padded_vocab_size=32000, block_size=256)
+    return write_litgpt_dir(tmp_path_factory.mktemp("peak-model"), config, torch.bfloat16)
+
+
+PEAK_PROMPT = " ".join(f"t{i}" for i in range(1, 65))
+_MEASURE = """
+import contextlib, io, json, runpy, sys, torch, litgpt, litgpt.api, litgpt.generate.base, lightning_lowmem
+from lightning_lowmem.memory import MemoryMonitor
+directory, path, prompt, script = sys.argv[1:]
+out, err, model_peak = io.StringIO(), io.StringIO(), None
+with MemoryMonitor() as monitor, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    if path == 'entry-point':
+        result = lightning_lowmem.generate(directory, prompt, max_new_tokens=50, top_k=1)
+        tokens, model_peak = result.tokens[0].tolist(), result.memory.peak
+    elif path == 'script':
+        sys.argv = [script, '--checkpoint_dir', directory, '--prompt', prompt, '--max_new_tokens', '50', '--top_k', '1']
+        with contextlib.suppress(SystemExit):
+            runpy.run_path(script, run_name='__main__')
+        tokens = [int(t[1:]) for t in out.getvalue().split()]
+    else:
+        lightning_lowmem.patch_litgpt()
+        llm = litgpt.api.LLM.load(directory, distribute=None)
+        llm.distribute(accelerator='cpu', precision='bf16-true')
+        ids = llm.generate(prompt, max_new_tokens=50, top_k=1, return_as_token_ids=True)
+        tokens = list(range(1, 65)) + ids.tolist()
+print(json.dumps({'peak': monitor.usage.rss_peak_delta, 'tokens': tokens, 'stderr': err.getvalue(),
+                  'model_peak': model_peak}))
+"""
+
+
+@pytest.fixture(scope="session")
+def measure_in_fresh_process(child_env):
+    """``measure_in_fresh_process(directory, path)``: peak RSS (above the RSS after imports), tokens and stderr of
+    one generation path, 64 + 50 tokens, greedy, in a fresh process; each (directory, path) measured once.
+
+    For ``entry-point``, ``model_peak`` is generate()'s own measure (load + generation, tokenizer excluded).
+    ``path``: ``entry-point`` (lightning_lowmem.generate), ``script`` (examples/generate.py) or
+    ``litgpt-api-patched`` (litgpt's LLM after patch_litgpt()).
+    """
+    @functools.lru_cache(maxsize=None)
+    def measure(directory: Path, path: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _MEASURE, str(directory), path, PEAK_PROMPT,
+                               str(ROOT / "examples" / "generate.py")],
+                              capture_output=True, text=True, env=child_env, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path} failed: {proc.stderr[-2000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return measure

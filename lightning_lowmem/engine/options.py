@@ -94,13 +94,16 @@ class LoadOptions:
              or isinstance(self.key_map, Mapping), "a dict of prefixes or a callable"),
             ("transform", self.transform, self.transform is None or callable(self.transform), "a callable"),
             ("combine", self.combine, self.combine is None or isinstance(self.combine, Combine), "a Combine"),
-            ("context", self.context, self.context is None or _positive(self.context), "an int >= 1 or None"),
-            ("batch_size", self.batch_size, _positive(self.batch_size), "an int >= 1"),
+            ("context", self.context, self.context is None or _is_int(self.context), "an int >= 1 or None"),
+            ("batch_size", self.batch_size, _is_int(self.batch_size), "an int >= 1"),
             ("progress", self.progress, self.progress is None or isinstance(self.progress, bool), "a bool or None"),
         ]
         for name, value, ok, expected in checks:
             if not ok:
                 raise TypeError(f"{name} must be {expected}, got {value!r}.")
+        for name, value in (("context", self.context), ("batch_size", self.batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
 
     @property
     def budgets(self) -> Budgets | None:
@@ -130,5 +133,5 @@ class LoadOptions:
         return dataclasses.replace(base, **changes) if changes else base
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,6 +18,7 @@ their own forward. A candidate stays in full precision when
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,8 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
         skip: module-name globs (``fnmatch``) to leave alone; None for :data:`DEFAULT_SKIP` plus
             the module's ``get_output_embeddings()`` when it has one.
     """
+    if skip is not None:
+        _warn_unmatched(module, skip)
     targets = {name: target for target in plan.targets for name in target.names}
     uses = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
     output_head = _output_embeddings(module) if skip is None else None
@@ -96,6 +99,20 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
         else:
             selection.left_out[name] = reason
     return selection
+
+
+def _warn_unmatched(module: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Warn about skip patterns that name no module: a typo, or names relative to another module (a
+    LightningModule's ``model.`` prefix), would otherwise quantize what was meant to be skipped."""
+    names = [name for name, _ in module.named_modules() if name]
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        linears = [name for name, mod in module.named_modules() if type(mod) is nn.Linear]
+        warnings.warn(
+            f"skip_quantize patterns {format_names(unmatched)} match no module of {type(module).__name__}; its "
+            f"Linear modules are named like {format_names(linears, limit=3)}. Patterns are globs of full module "
+            "names (e.g. '*.lm_head'); an explicit skip_quantize also replaces the default, which keeps lm_head "
+            "in full precision.", UserWarning, stacklevel=3)
 
 
 def _reason(name: str, mod: nn.Linear, target: Target | None, patterns: tuple[str, ...], scheme: QuantScheme,

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_helpers import kv_formula, tiny_config, write_litgpt_dir
-
-from lightning_lowmem import KVCacheTooShortError, cache_bytes, patch_litgpt, unpatch_litgpt
+from lightning_lowmem import KVCacheTooShortError, cache_bytes, estimate_memory, patch_litgpt, unpatch_litgpt
 from lightning_lowmem.litgpt.patch import is_litgpt_patched
 
 PROMPT = "t5 t17 t3 t99 t42"  # 5 tokens
 
 
 @pytest.fixture
-def checkpoint_dir(tmp_path):
+def checkpoint_dir(tmp_path, tiny_config, write_litgpt_dir):
     return write_litgpt_dir(tmp_path / "tiny", tiny_config("gqa"), torch.bfloat16)
 
 
@@ -52,7 +50,8 @@ def test_unpatched_api_allocates_fp32_kv_and_full_context_rope(checkpoint_dir):
     llm = _llm(checkpoint_dir)
     seen = _record_caches_at_first_forward(llm)
     llm.generate(PROMPT, max_new_tokens=7, top_k=1)
-    assert seen[0].dtype == torch.float32 and seen[0].kv == kv_formula(llm.config, 1, 12, 4)
+    assert seen[0].dtype == torch.float32
+    assert seen[0].kv == estimate_memory(llm.config, dtype=torch.float32, max_seq_length=12).kv_cache
     assert llm.model.cos.shape[0] == llm.config.block_size
 
 
@@ -72,14 +71,15 @@ def test_patched_api_sizes_every_cache_to_the_request(checkpoint_dir):
     seen = _record_caches_at_first_forward(llm)
     llm.generate(PROMPT, max_new_tokens=7, top_k=1)
     held = seen[0]
-    assert held.dtype == torch.bfloat16 and held.kv == kv_formula(llm.config, 1, 12, 2)
-    assert (held.length, held.mask, llm.model.cos.shape[0]) == (12, 12 * 12, 12)
+    est = estimate_memory(llm.config, dtype=torch.bfloat16, max_seq_length=12)
+    assert held.dtype == torch.bfloat16 and (held.kv, held.mask) == (est.kv_cache, est.mask)
+    assert (held.length, llm.model.cos.shape[0]) == (12, 12)
 
     pointer = llm.model.transformer.h[0].attn.kv_cache.k.data_ptr()
     llm.generate("t1 t2", max_new_tokens=3, top_k=1)  # shorter: reused
     assert llm.model.transformer.h[0].attn.kv_cache.k.data_ptr() == pointer
     llm.generate(PROMPT, max_new_tokens=20, top_k=1)  # longer: grown
-    assert cache_bytes(llm.model).kv == kv_formula(llm.config, 1, 25, 2)
+    assert cache_bytes(llm.model).kv == estimate_memory(llm.config, dtype=torch.bfloat16, max_seq_length=25).kv_cache
 
 
 def test_same_tokens_with_and_without_the_patch(checkpoint_dir):
@@ -119,19 +119,9 @@ def test_unpatched_fixed_cache_overflow_is_litgpts_index_error(checkpoint_dir):
         llm.generate(PROMPT, max_new_tokens=7)
 
 
-def test_litgpt_generate_cli_path_under_the_patch(checkpoint_dir):
+def test_litgpt_generate_cli_path_under_the_patch(checkpoint_dir, litgpt_cli_tokens):
     """litgpt's CLI sets max_seq_length then set_kv_cache(batch_size=1): patched, the same tokens."""
-    import contextlib
-    import io
-
-    from litgpt.generate.base import main
-
-    def run() -> str:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            main(checkpoint_dir, prompt=PROMPT, max_new_tokens=6, top_k=1, precision="bf16-true")
-        return out.getvalue().strip().splitlines()[-1]
-
-    expected = run()
+    expected = litgpt_cli_tokens(checkpoint_dir, PROMPT, "bf16-true", 6)
+    assert len(expected) == 5 + 6
     with patch_litgpt():
-        assert run() == expected
+        assert litgpt_cli_tokens(checkpoint_dir, PROMPT, "bf16-true", 6) == expected

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
+import sys
 
 import lightning as L
 import pytest
 import torch
-from conftest import tiny_litgpt_config, write_checkpoint
 from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch import nn
 
 from lightning_lowmem import (
     CheckpointMismatchError,
@@ -17,38 +17,15 @@ from lightning_lowmem import (
     MetaTensorError,
     UnsupportedQuantizationError,
 )
-from lightning_lowmem.quantize import make_scheme
+from lightning_lowmem.quantize import SCHEMES
 
-
-def _has_scheme(name: str) -> bool:
-    try:
-        make_scheme(name)
-    except UnsupportedQuantizationError:
-        return False
-    return True
-
-
-needs_nf4 = pytest.mark.skipif(not _has_scheme("bnb.nf4"), reason="the bnb.nf4 scheme is not available")
+needs_nf4 = pytest.mark.skipif("bnb.nf4" not in SCHEMES, reason="the bnb.nf4 scheme is not available")
 DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
-LORA_LINEAR = re.compile(r"(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|lm_head)\.(weight|bias)$")
-
-
-def lora_key_map(key: str) -> str:
-    """litgpt's LoRA GPT wraps each Linear as ``<name>.linear``: map the base model's keys to it."""
-    return LORA_LINEAR.sub(r"\1.linear.\2", key)
 
 
 def _fabric(flag: str, precision: str = "bf16-true", **options) -> L.Fabric:
     strategy = "lowmem" if flag == "string" else LowMemStrategy(**options)
     return L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision=precision)
-
-
-def _eager(reference: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    from litgpt import GPT
-
-    model = GPT(reference.config).to(dtype)
-    model.load_state_dict(reference.state_dict())
-    return model.eval()
 
 
 def test_registered_on_import_and_device_from_connector():
@@ -72,12 +49,12 @@ def test_bad_options_fail_when_built():
 
 
 @pytest.mark.parametrize("empty_init", [None, False, True])
-def test_init_module_is_meta_and_init_tensor_is_real(empty_init):
+def test_init_module_is_meta_and_init_tensor_is_real(litgpt_config, empty_init):
     from litgpt import GPT
 
     fabric = _fabric("string")
     with fabric.init_module(empty_init=empty_init):
-        model = GPT(tiny_litgpt_config())
+        model = GPT(litgpt_config)
     assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
     assert not model.cos.is_meta  # buffers computed in __init__ stay real
     with fabric.init_tensor():
@@ -88,7 +65,7 @@ def test_init_module_is_meta_and_init_tensor_is_real(empty_init):
 @pytest.mark.parametrize("flag", ["string", "instance"])
 @pytest.mark.parametrize("precision", list(DTYPES))
 @pytest.mark.parametrize("setup_first", [False, True], ids=["load-then-setup", "setup-then-load"])
-def test_load_raw_equals_eager(tmp_path, litgpt_model, flag, precision, setup_first):
+def test_load_raw_equals_eager(tmp_path, litgpt_model, flag, precision, setup_first, write_checkpoint, eager_gpt):
     from litgpt import GPT
 
     path = write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)
@@ -102,16 +79,16 @@ def test_load_raw_equals_eager(tmp_path, litgpt_model, flag, precision, setup_fi
     model = model if setup_first else fabric.setup(model)
 
     dtype = DTYPES[precision]
-    eager = _eager(litgpt_model, dtype)
+    eager = eager_gpt(litgpt_model, dtype)
     for (name, ours), (_, theirs) in zip(model.state_dict().items(), eager.state_dict().items()):
         assert ours.dtype == dtype and torch.equal(ours, theirs), name
-    x = torch.randint(0, 96, (2, 16))
+    x = torch.randint(0, 100, (2, 16))
     out = model(x)  # Fabric's precision plugin returns float32
     torch.testing.assert_close(out, eager(x).to(out.dtype), rtol=0, atol=0)
     assert fabric.strategy.reports[-1].tensors == len(litgpt_model.state_dict())
 
 
-def test_dtype_option_wins_over_precision(tmp_path, litgpt_model):
+def test_dtype_option_wins_over_precision(tmp_path, litgpt_model, write_checkpoint):
     from litgpt import GPT
 
     path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
@@ -126,9 +103,9 @@ def _train_steps(fabric, model, optimizer, steps=3, same_batch=False) -> list[fl
     torch.manual_seed(1)
     losses = []
     for _ in range(steps):
-        batch = torch.randint(0, 96, (4, 17), generator=torch.Generator().manual_seed(0) if same_batch else None)
+        batch = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(0) if same_batch else None)
         logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96).float(), batch[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -167,7 +144,7 @@ def test_fabric_load_restores_model_optimizer_and_counters(tmp_path, litgpt_mode
         torch.testing.assert_close(ours, theirs, msg=name)
 
 
-def test_fabric_save_then_load(tmp_path, litgpt_model):
+def test_fabric_save_then_load(tmp_path, litgpt_model, write_checkpoint):
     from litgpt import GPT
 
     fabric = _fabric("string", "32-true")
@@ -186,7 +163,7 @@ def test_fabric_save_then_load(tmp_path, litgpt_model):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in litgpt_model.state_dict().items())
 
 
-def test_bad_paths_fail_with_the_loaders_errors(tmp_path, litgpt_model):
+def test_bad_paths_fail_with_the_loaders_errors(tmp_path, litgpt_model, write_checkpoint, tiny_config, tiny_gpt):
     from litgpt import GPT
 
     fabric = _fabric("string")
@@ -196,27 +173,20 @@ def test_bad_paths_fail_with_the_loaders_errors(tmp_path, litgpt_model):
         fabric.load_raw(tmp_path / "nope.pth", model)
     with pytest.raises(CheckpointNotFoundError):
         fabric.load(tmp_path / "nope.ckpt", {"model": model})
-    other = GPT(tiny_litgpt_config(n_embd=64)).state_dict()
+    other = tiny_gpt(tiny_config(n_embd=64)).state_dict()
     with pytest.raises(CheckpointMismatchError, match="shape"):
         fabric.load_raw(write_checkpoint(other, "pth", tmp_path), model)
     assert all(p.is_meta for p in model.parameters())  # nothing was read
 
 
-def _lora_config(**overrides):
-    from litgpt.lora import Config
-
-    base = {k: v for k, v in vars(tiny_litgpt_config(**overrides)).items() if k != "rope_n_elem"}
-    return Config(**base | dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
-
-
-def test_added_lora_parameters_are_initialized(tmp_path, litgpt_model):
+def test_added_lora_parameters_are_initialized(tmp_path, litgpt_model, write_checkpoint, lora_config, lora_key_map):
     from litgpt.lora import GPT as LoRAGPT
     from litgpt.lora import mark_only_lora_as_trainable
 
     path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
     fabric = L.Fabric(accelerator="cpu", strategy=LowMemStrategy(key_map=lora_key_map), precision="32-true")
     with fabric.init_module():
-        model = LoRAGPT(_lora_config())
+        model = LoRAGPT(lora_config())
     mark_only_lora_as_trainable(model)
     fabric.load_raw(path, model)  # strict: everything but the trainable adapters must be in the file
 
@@ -224,11 +194,11 @@ def test_added_lora_parameters_are_initialized(tmp_path, litgpt_model):
     lora_B = model.transformer.h[0].attn.qkv.lora_B
     assert not lora_B.is_meta and lora_B.requires_grad and not lora_B.any()  # LoRA's own init: B = 0
     assert model.transformer.h[0].attn.qkv.lora_A.abs().sum() > 0
-    x = torch.randint(0, 96, (2, 16))
+    x = torch.randint(0, 100, (2, 16))
     torch.testing.assert_close(model(x), litgpt_model(x))  # B = 0: the adapter adds nothing yet
 
 
-def test_missing_frozen_parameter_is_an_error_before_reading(tmp_path, litgpt_model):
+def test_missing_frozen_parameter_is_an_error_before_reading(tmp_path, litgpt_model, write_checkpoint):
     from litgpt import GPT
 
     state = {k: v for k, v in litgpt_model.state_dict().items() if k != "transformer.ln_f.weight"}
@@ -241,7 +211,7 @@ def test_missing_frozen_parameter_is_an_error_before_reading(tmp_path, litgpt_mo
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model):
+def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model, write_checkpoint):
     from litgpt import GPT
 
     state = dict(litgpt_model.state_dict(), **{"extra.weight": torch.zeros(3)})
@@ -258,21 +228,21 @@ def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model):
 
 @needs_nf4
 @pytest.mark.parametrize("flag", ["options", "setup-before-load"])
-def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
+def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag, write_checkpoint, tiny_config, tiny_gpt, lora_config,
+                                            lora_key_map, eager_gpt):
     """bnb.nf4 on CPU (BitsandbytesPrecision refuses CPU): quantized base frozen, LoRA trains, adapters reload."""
     from litgpt import GPT
     from litgpt.lora import GPT as LoRAGPT
     from litgpt.lora import mark_only_lora_as_trainable
 
-    torch.manual_seed(0)
-    base = GPT(tiny_litgpt_config(n_embd=64)).eval()  # bnb's CPU kernel needs in_features >= 64
+    base = tiny_gpt(tiny_config(n_embd=64))  # bnb's CPU kernel needs in_features >= 64
     path = write_checkpoint(base.state_dict(), "pth", tmp_path)
 
     def build():
         fabric = L.Fabric(accelerator="cpu", precision="bf16-true",
                           strategy=LowMemStrategy(quantize="bnb.nf4", key_map=lora_key_map))
         with fabric.init_module():
-            model = LoRAGPT(_lora_config(n_embd=64))
+            model = LoRAGPT(lora_config(n_embd=64))
         mark_only_lora_as_trainable(model)
         if flag == "setup-before-load":
             model = fabric.setup_module(model)
@@ -284,9 +254,9 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
     report = fabric.strategy.reports[-1]
     assert len(report.quantized) == 8  # 2 layers x 4 Linears; LoRA's wrapped head stays bf16, as lm_head would
     assert "lm_head.linear" in report.left_out and type(model.lm_head.linear) is torch.nn.Linear
-    x = torch.randint(0, 96, (2, 16))
+    x = torch.randint(0, 100, (2, 16))
     with torch.no_grad():
-        ours, reference = model(x).float(), _eager(base, torch.bfloat16)(x).float()
+        ours, reference = model(x).float(), eager_gpt(base, torch.bfloat16)(x).float()
     cos = torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0)
     assert cos > 0.98
 
@@ -310,10 +280,11 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
-def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize):
+def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize, write_checkpoint, tiny_config,
+                                           tiny_gpt, eager_gpt):
     from litgpt import GPT
 
-    base = GPT(tiny_litgpt_config(n_embd=64)).eval() if quantize else litgpt_model
+    base = tiny_gpt(tiny_config(n_embd=64)) if quantize else litgpt_model
     path = write_checkpoint(base.state_dict(), "safetensors", tmp_path)
     fabric = L.Fabric(accelerator="cuda", devices=1, precision="bf16-true", strategy=LowMemStrategy(quantize=quantize))
     assert fabric.strategy.root_device.type == "cuda"
@@ -322,16 +293,16 @@ def test_cuda_loads_straight_to_the_device(tmp_path, litgpt_model, quantize):
     fabric.load_raw(path, model)
     model = fabric.setup(model)
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
-    x = torch.randint(0, 96, (2, 16), device="cuda")
+    x = torch.randint(0, 100, (2, 16), device="cuda")
     with torch.no_grad():
-        ours, reference = model(x).float(), _eager(base, torch.bfloat16).cuda()(x).float()
+        ours, reference = model(x).float(), eager_gpt(base, torch.bfloat16).cuda()(x).float()
     if quantize is None:
         torch.testing.assert_close(ours, reference, rtol=0, atol=0)
     else:
         assert torch.nn.functional.cosine_similarity(ours.flatten(), reference.flatten(), dim=0) > 0.98
 
 
-def test_max_memory_is_passed_to_the_placement_plan(tmp_path, litgpt_model):
+def test_max_memory_is_passed_to_the_placement_plan(tmp_path, litgpt_model, write_checkpoint):
     """A budget too small for one layer fails before any weight is read; one that holds the model loads it."""
     from litgpt import GPT
 
@@ -352,5 +323,63 @@ def test_max_memory_is_passed_to_the_placement_plan(tmp_path, litgpt_model):
     fabric.load_raw(path, model)
     report = fabric.strategy.reports[-1]
     assert report.placement is not None and not report.placement.offloaded
-    x = torch.randint(0, 96, (1, 8))
+    x = torch.randint(0, 100, (1, 8))
     torch.testing.assert_close(model.eval()(x), litgpt_model(x), rtol=0, atol=0)
+
+
+def test_one_string_is_one_skip_pattern(tmp_path, litgpt_model, write_checkpoint):
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    strategy = LowMemStrategy(quantize="bnb.int8", skip_quantize="lm_head")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    with fabric.init_module():
+        from litgpt import GPT
+
+        model = GPT(litgpt_model.config)
+    fabric.load_raw(path, model)
+    assert type(model.lm_head) is nn.Linear and "lm_head" not in strategy.reports[-1].quantized
+    assert "transformer.h.0.attn.qkv" in strategy.reports[-1].quantized
+
+
+def test_fabric_load_raw_opens_the_file_once_and_plans_once(tmp_path, litgpt_model, write_checkpoint, monkeypatch):
+    import lightning_lowmem.plan as plan_module
+
+    path = write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)
+    opens: list[str] = []
+    plans: list[int] = []
+    original = plan_module.make_plan
+
+    def counting_plan(*args, **kwargs):
+        plans.append(1)
+        return original(*args, **kwargs)
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("lightning_lowmem") and getattr(mod, "make_plan", None) is original:
+            monkeypatch.setattr(mod, "make_plan", counting_plan)
+    recording = [False]
+    sys.addaudithook(lambda event, args: opens.append(str(args[0])) if event == "open" and recording[0] else None)
+    strategy = LowMemStrategy()
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    with fabric.init_module():
+        from litgpt import GPT
+
+        model = GPT(litgpt_model.config)
+    recording[0] = True
+    fabric.load_raw(path, model)
+    recording[0] = False
+    assert opens.count(str(path)) <= 2 and len(plans) == 1
+
+
+def test_fabric_load_does_not_torch_load_the_weights(tmp_path, litgpt_model, monkeypatch):
+    path = tmp_path / "fabric.ckpt"
+    torch.save({"model": litgpt_model.state_dict(), "step": 3}, path)
+    calls = []
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="lowmem")
+    with fabric.init_module():
+        from litgpt import GPT
+
+        model = GPT(litgpt_model.config)
+    rest = fabric.load(path, {"model": model})
+    assert rest == {"step": 3}
+    assert not any(kw.get("mmap") for kw in calls) and len(calls) <= 1

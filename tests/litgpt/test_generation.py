@@ -7,44 +7,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from gen_helpers import (
-    kv_formula,
-    litgpt_cli_tokens,
-    litgpt_converted,
-    measure_in_fresh_process,
-    peak_model,
-    tiny_config,
-    write_hf_dir,
-    write_litgpt_dir,
-)
 
-from lightning_lowmem import CheckpointMismatchError, generate, patch_litgpt, unpatch_litgpt
+from lightning_lowmem import CheckpointMismatchError, estimate_memory, generate, patch_litgpt, unpatch_litgpt
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "t5 t17 t3 t99 t42 t8"
-
-
-def _litgpt_cli_tokens(directory: Path, precision: str, max_new_tokens: int) -> list[int]:
-    return litgpt_cli_tokens(directory, PROMPT, precision, max_new_tokens)
 
 
 @pytest.mark.parametrize("kind", ["pythia", "gqa", "sliding"])
 @pytest.mark.parametrize("precision", ["bf16-true", "32-true"])
-def test_greedy_tokens_equal_litgpts_generate_with_and_without_the_patch(tmp_path, kind, precision):
+def test_greedy_tokens_equal_litgpts_generate_with_and_without_the_patch(tmp_path, tiny_config, write_litgpt_dir,
+                                                                         litgpt_cli_tokens, kind, precision):
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     directory = write_litgpt_dir(tmp_path / kind, tiny_config(kind), dtype)
-    expected = _litgpt_cli_tokens(directory, precision, 20)  # 6 + 20 positions: past the sliding window of 8
+    expected = litgpt_cli_tokens(directory, PROMPT, precision, 20)  # 6 + 20 positions: past the sliding window of 8
 
     got = generate(directory, PROMPT, max_new_tokens=20, temperature=0.0, precision=precision)
     assert got.tokens[0].tolist() == expected
     with patch_litgpt():
-        assert _litgpt_cli_tokens(directory, precision, 20) == expected
+        assert litgpt_cli_tokens(directory, PROMPT, precision, 20) == expected
         assert generate(directory, PROMPT, max_new_tokens=20, top_k=1, precision=precision).tokens[0].tolist() \
             == expected
     unpatch_litgpt()
 
 
-def test_result_has_tokens_texts_and_memory(tmp_path):
+def test_result_has_tokens_texts_and_memory(tmp_path, tiny_config, write_litgpt_dir):
     config = tiny_config("gqa")
     directory = write_litgpt_dir(tmp_path / "gqa", config, torch.bfloat16)
     result = generate(directory, PROMPT, max_new_tokens=9, num_samples=2, temperature=0.0)
@@ -52,15 +38,16 @@ def test_result_has_tokens_texts_and_memory(tmp_path):
     assert torch.equal(result.tokens[0], result.tokens[1])  # the second sample reuses the zeroed caches
     assert result.texts[0].split()[:6] == PROMPT.split()
     memory = result.memory
-    assert memory.kv_cache == kv_formula(config, 1, 15, 2) and memory.mask == 15 * 15
-    assert memory.rope == 2 * 15 * config.rope_n_elem * 2
+    est = estimate_memory(directory, max_seq_length=15, prompt_length=6)  # the caches of 6 + 9 positions, in bf16
+    assert (memory.kv_cache, memory.mask, memory.rope) == (est.kv_cache, est.mask, est.rope)
+    assert memory.kv_cache > 0 and memory.mask > 0 and memory.rope > 0
     params = sum(t.numel() for t in torch.load(directory / "lit_model.pth").values())
     assert memory.weights == params * 2
     assert memory.peak >= memory.load_peak > 0
     assert "KV cache" in str(memory) and result.tokens_per_second > 0
 
 
-def test_token_ids_without_a_tokenizer(tmp_path):
+def test_token_ids_without_a_tokenizer(tmp_path, tiny_config, write_litgpt_dir):
     directory = write_litgpt_dir(tmp_path / "ids", tiny_config("pythia"), tokenizer=False)
     result = generate(directory, "1 2 3", max_new_tokens=4, temperature=0.0)
     assert result.tokens[0][:3].tolist() == [1, 2, 3] and result.texts is None
@@ -70,7 +57,7 @@ def test_token_ids_without_a_tokenizer(tmp_path):
         generate(directory, "hello world", max_new_tokens=4)
 
 
-def test_a_checkpoint_missing_a_layer_is_an_error_not_a_random_layer(tmp_path):
+def test_a_checkpoint_missing_a_layer_is_an_error_not_a_random_layer(tmp_path, tiny_config, write_litgpt_dir):
     """The Fabric strategy initializes trainable parameters a checkpoint lacks (LoRA); generation must not."""
     directory = write_litgpt_dir(tmp_path / "cut", tiny_config("pythia"), tokenizer=False)
     state = torch.load(directory / "lit_model.pth")
@@ -80,13 +67,13 @@ def test_a_checkpoint_missing_a_layer_is_an_error_not_a_random_layer(tmp_path):
         generate(directory, [1, 2, 3], max_new_tokens=2)
 
 
-def test_request_past_the_block_size(tmp_path):
+def test_request_past_the_block_size(tmp_path, tiny_config, write_litgpt_dir):
     directory = write_litgpt_dir(tmp_path / "b", tiny_config("pythia"), tokenizer=False)
     with pytest.raises(ValueError, match=r"70 positions.*block size.*is 64"):
         generate(directory, "1 2 3 4 5 6", max_new_tokens=64)
 
 
-def _hf_neox(directory: Path):
+def _hf_neox(directory: Path, config):
     """A tiny GPT-NeoX written by transformers' save_pretrained (safetensors), with the litgpt config beside it."""
     from litgpt.utils import save_config
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -100,15 +87,15 @@ def _hf_neox(directory: Path):
         for p in hf.parameters():
             p.normal_(0, 0.3)
     hf.save_pretrained(directory, safe_serialization=True)
-    save_config(tiny_config("pythia", vocab_size=128), directory)
+    save_config(config, directory)
     return hf
 
 
-def test_hf_safetensors_directory_through_litgpts_key_conversion(tmp_path):
+def test_hf_safetensors_directory_through_litgpts_key_conversion(tmp_path, tiny_config):
     from lightning_lowmem.litgpt.generation import load_for_generation
 
     directory = tmp_path / "neox"
-    hf = _hf_neox(directory)
+    hf = _hf_neox(directory, tiny_config("pythia", vocab_size=128))
     assert (directory / "model.safetensors").is_file() and not (directory / "lit_model.pth").exists()
     model, _, report = load_for_generation(directory, precision="32-true")
     assert report.skipped == [] and report.missing == []
@@ -121,17 +108,20 @@ def test_hf_safetensors_directory_through_litgpts_key_conversion(tmp_path):
     assert result.tokens[0].tolist() == expected[0].tolist()
 
 
-def test_hf_family_with_split_qkv_generates_like_litgpt_on_its_converted_checkpoint(tmp_path):
-    """Llama-family HF directories stream in (q, k, v fused as read); see test_hf_litgpt.py for the details."""
+def test_hf_family_with_split_qkv_generates_like_litgpt_on_its_converted_checkpoint(tmp_path, write_hf_dir,
+                                                                                     litgpt_converted,
+                                                                                     litgpt_cli_tokens):
+    """Llama-family HF directories stream in (q, k, v fused as read); see test_hf.py for the details."""
     directory = tmp_path / "llama"
     _, config = write_hf_dir(directory, "llama-gqa", tie=True)
     expected = litgpt_cli_tokens(litgpt_converted(directory, config, tmp_path / "converted"), PROMPT, "32-true", 10)
     assert generate(directory, PROMPT, max_new_tokens=10, top_k=1, precision="32-true").tokens[0].tolist() == expected
 
 
-def test_script_entry_point_and_patched_api_peak_together(tmp_path_factory):
+@pytest.mark.slow
+def test_script_entry_point_and_patched_api_peak_together(peak_model_dir, measure_in_fresh_process):
     """Fresh processes, a 45M-parameter bf16 model, 64 + 50 tokens: one setup path, one peak."""
-    directory = peak_model(tmp_path_factory.getbasetemp())
+    directory = peak_model_dir
     entry, script, api = (measure_in_fresh_process(directory, p) for p in ("entry-point", "script", "litgpt-api-patched"))
     assert abs(script["peak"] - entry["peak"]) <= 0.02 * entry["peak"], (entry["peak"], script["peak"])
     # Fabric and litgpt's prompt handling add a few MiB that do not grow with the model (0.4% at pythia-1b);
@@ -147,10 +137,10 @@ def test_script_entry_point_and_patched_api_peak_together(tmp_path_factory):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4"])
-def test_cuda_caches_on_the_device_and_device_peak(tmp_path, quantize):
+def test_cuda_caches_on_the_device_and_device_peak(tmp_path, tiny_config, write_litgpt_dir, quantize):
     config = tiny_config("gqa")
     directory = write_litgpt_dir(tmp_path / "cuda", config, torch.bfloat16)
     result = generate(directory, PROMPT, max_new_tokens=8, temperature=0.0, device="cuda", quantize=quantize)
     assert result.tokens[0].device.type == "cuda"
-    assert result.memory.kv_cache == kv_formula(config, 1, 14, 2)
+    assert result.memory.kv_cache == estimate_memory(directory, quantize=quantize, max_seq_length=14).kv_cache
     assert result.memory.device_peak is not None and result.memory.device_peak > result.memory.weights

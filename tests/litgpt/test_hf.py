@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gen_helpers import litgpt_converted, tiny_config, write_hf_dir
 from safetensors.torch import load_file, save_file
 
-from lightning_lowmem import Checkpoint, CheckpointFormatError, CheckpointMismatchError, generate
+from lightning_lowmem import CheckpointFormatError, CheckpointMismatchError, generate
 from lightning_lowmem.litgpt.generation import load_for_generation
 from lightning_lowmem.quantize import schemes_available_on
 
@@ -22,15 +21,8 @@ CASES = {  # id: (family, tied embeddings, save_pretrained's max_shard_size)
 }
 
 
-def _record_reads(monkeypatch) -> list[str]:
-    reads: list[str] = []
-    original = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
-    return reads
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_streamed_equals_litgpts_conversion(tmp_path, monkeypatch, case):
+def test_streamed_equals_litgpts_conversion(tmp_path, write_hf_dir, litgpt_converted, read_recorder, case):
     from litgpt import GPT
     from litgpt.generate.base import generate as litgpt_generate
 
@@ -39,8 +31,9 @@ def test_streamed_equals_litgpts_conversion(tmp_path, monkeypatch, case):
     hf, config = write_hf_dir(directory, family, tie=tie, max_shard_size=shards, tokenizer=False)
     assert not shards or len(list(directory.glob("*.safetensors"))) >= 4
     converted = litgpt_converted(directory, config, tmp_path / "converted")
-    reads = _record_reads(monkeypatch)
+    read_recorder.calls.clear()  # the load's reads only
     model, _, report = load_for_generation(directory, precision="32-true")
+    reads = read_recorder.keys
 
     reference = torch.load(converted / "lit_model.pth")
     ours = model.state_dict()
@@ -66,21 +59,20 @@ def test_streamed_equals_litgpts_conversion(tmp_path, monkeypatch, case):
     assert generate(directory, IDS[0], max_new_tokens=10, top_k=1, precision="32-true").tokens[0].tolist() == expected
 
 
-def test_missing_part_is_named_before_any_read(tmp_path, monkeypatch):
+def test_missing_part_is_named_before_any_read(tmp_path, write_hf_dir, read_recorder):
     directory = tmp_path / "hf"
     write_hf_dir(directory, "llama-gqa", tokenizer=False)
     weights = load_file(directory / "model.safetensors")
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
-    reads = _record_reads(monkeypatch)
     named = r"'model\.layers\.1\.self_attn\.k_proj\.weight' for 'transformer\.h\.1\.attn\.qkv\.weight'"
     with pytest.raises(CheckpointMismatchError, match=named):
         generate(directory, "1 2 3", max_new_tokens=2)
-    assert reads == []
+    assert read_recorder.keys == []
 
 
 @pytest.mark.skipif("bnb.nf4" not in schemes_available_on(torch.device("cpu")), reason="no bnb.nf4 on CPU here")
-def test_nf4_quantizes_the_fused_qkv_as_litgpts_checkpoint(tmp_path):
+def test_nf4_quantizes_the_fused_qkv_as_litgpts_checkpoint(tmp_path, write_hf_dir, litgpt_converted):
     directory = tmp_path / "hf"
     _, config = write_hf_dir(directory, "llama-gqa", hidden=64, tokenizer=False)
     converted = litgpt_converted(directory, config, tmp_path / "converted")
@@ -94,7 +86,7 @@ def test_nf4_quantizes_the_fused_qkv_as_litgpts_checkpoint(tmp_path):
     assert logits.isfinite().all()
 
 
-def test_a_checkpoint_litgpts_conversion_refuses_fails_before_reading(tmp_path, monkeypatch):
+def test_a_checkpoint_litgpts_conversion_refuses_fails_before_reading(tmp_path, tiny_config, read_recorder):
     """litgpt converts Falcon 7b, 40b and 180B only; other sizes fail with what to do, before any read."""
     from litgpt.utils import save_config
     from transformers import FalconConfig, FalconForCausalLM
@@ -103,7 +95,6 @@ def test_a_checkpoint_litgpts_conversion_refuses_fails_before_reading(tmp_path, 
     FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
                       ).save_pretrained(directory)
     save_config(tiny_config("pythia", name="falcon-tiny", vocab_size=128), directory)
-    reads = _record_reads(monkeypatch)
     with pytest.raises(CheckpointFormatError, match=r"'falcon-tiny'.*NotImplementedError.*convert_to_litgpt"):
         generate(directory, "1 2 3", max_new_tokens=2)
-    assert reads == []
+    assert read_recorder.keys == []

@@ -7,28 +7,29 @@ can only be seen from a clean ``sys.modules``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 
+@pytest.fixture
+def run(child_env):
+    """``run(code)``: ``code`` in a fresh interpreter; the JSON it prints last."""
+    def run_code(code: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
-def run(code: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_code
 
 
 PEAK = "[int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmHWM')][0]"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-def test_import_does_not_import_lightning():
+def test_import_does_not_import_lightning(run):
     """Measured here: import torch 218 MiB; + lightning_lowmem 222 MiB; + lightning 414 MiB."""
     floor = run(f"import json, torch; print(json.dumps({{'peak': {PEAK}}}))")["peak"]
     got = run(f"""
@@ -40,8 +41,9 @@ print(json.dumps({{"peak": {PEAK}, "lightning": sorted(m for m in sys.modules if
     assert got["peak"] <= floor + 64 * 2**20, (got["peak"] - floor) / 2**20  # Lightning's import adds ~200 MiB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["lightning_lowmem first", "lightning first"])
-def test_fabric_finds_the_strategy_by_name_in_either_import_order(order):
+def test_fabric_finds_the_strategy_by_name_in_either_import_order(run, order):
     imports = "import lightning_lowmem\nimport lightning as L" if order == "lightning_lowmem first" else \
         "import lightning as L\nimport lightning_lowmem"
     got = run(f"""

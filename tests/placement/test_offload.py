@@ -16,14 +16,11 @@ from torch import nn
 from lightning_lowmem import dispatch, enable_offload, layer_offload, placement_plan, sequential_offload
 from lightning_lowmem.placement import offloaded
 
-litgpt = pytest.importorskip("litgpt")
 
-
-def tiny_gpt(n_layer: int = 4) -> nn.Module:
-    torch.manual_seed(0)
-    config = litgpt.Config(n_layer=n_layer, n_embd=32, n_head=4, block_size=64, padded_vocab_size=256,
-                           vocab_size=256, intermediate_size=64, bias=True)
-    return litgpt.GPT(config).eval()
+@pytest.fixture
+def gpt(tiny_config, tiny_gpt):
+    """``gpt(n_layer=4)``: the tiny GPT with ``n_layer`` layers, built for real."""
+    return lambda n_layer=4: tiny_gpt(tiny_config(n_layer=n_layer))
 
 
 class Pipeline(nn.Module):
@@ -51,10 +48,10 @@ def watch_forward(module: nn.Module, seen: list[dict[str, int]]) -> None:
     module.register_forward_hook(lambda mod, args, out: seen.append(storage_ptrs(mod)))
 
 
-def test_layer_offload_output_equals_resident_and_copies_are_temporary():
-    model = tiny_gpt()
+def test_layer_offload_output_equals_resident_and_copies_are_temporary(gpt):
+    model = gpt()
     reference = copy.deepcopy(model)
-    idx = torch.randint(0, 256, (2, 12))
+    idx = torch.randint(0, 100, (2, 12))
     with torch.no_grad():
         expected = reference(idx)
     seen: list[dict[str, int]] = []
@@ -72,13 +69,13 @@ def test_layer_offload_output_equals_resident_and_copies_are_temporary():
     assert handle.stats.prefetch_hits >= 2 * (4 - 1)  # every block after the first was prefetched
 
 
-def test_layer_offload_keeps_the_kv_cache_across_generation_steps():
-    model, reference = tiny_gpt(), tiny_gpt()
+def test_layer_offload_keeps_the_kv_cache_across_generation_steps(gpt):
+    model, reference = gpt(), gpt()
     for m in (model, reference):
         m.set_kv_cache(batch_size=1, max_seq_length=24)
     caches = [block.attn.kv_cache.k for block in model.transformer.h]
     layer_offload(model, "cpu")
-    prompt = torch.randint(0, 256, (1, 8))
+    prompt = torch.randint(0, 100, (1, 8))
     with torch.no_grad():
         pos = torch.arange(8)
         got, want = model(prompt, input_pos=pos), reference(prompt, input_pos=pos)
@@ -113,8 +110,8 @@ def test_sequential_offload_of_a_text_encoder_equals_resident():
     assert handle.stats.prefetch_hits == 0
 
 
-def test_dispatch_offloads_exactly_the_layers_the_plan_put_on_the_cpu():
-    model = tiny_gpt(n_layer=6)
+def test_dispatch_offloads_exactly_the_layers_the_plan_put_on_the_cpu(gpt):
+    model = gpt(n_layer=6)
     reference = copy.deepcopy(model)
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     plan = placement_plan(model, None, {"cuda:0": total // 2, "cpu": "1GiB"}, context=16)
@@ -123,20 +120,20 @@ def test_dispatch_offloads_exactly_the_layers_the_plan_put_on_the_cpu():
     assert handle is not None
     assert set(handle.weights) == {m for layer in plan.offloaded for m in layer.modules}
     assert handle.prefetch == plan.prefetch
-    idx = torch.randint(0, 256, (1, 16))
+    idx = torch.randint(0, 100, (1, 16))
     with torch.no_grad():
         assert torch.equal(model(idx), reference(idx))
     assert handle.stats.fetches >= len(handle.weights)
     assert dispatch(model, placement_plan(model, None, {"cpu": "1GiB"})) is None
 
 
-def test_learned_order_follows_the_forward_not_the_module_order():
-    model = tiny_gpt(n_layer=2)
+def test_learned_order_follows_the_forward_not_the_module_order(gpt):
+    model = gpt(n_layer=2)
     reference = copy.deepcopy(model)
     # module order is lm_head, wte, h.0, h.1, ln_f; the forward runs wte, h.0, h.1, ln_f, lm_head
     names = ["lm_head", "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f"]
     handle = layer_offload(model, "cpu", layers=names)
-    idx = torch.randint(0, 256, (1, 5))
+    idx = torch.randint(0, 100, (1, 5))
     with torch.no_grad():
         model(idx)
         hits, fetches = handle.stats.prefetch_hits, handle.stats.fetches
@@ -147,10 +144,10 @@ def test_learned_order_follows_the_forward_not_the_module_order():
     assert handle.stats.resident_bytes == 0
 
 
-def test_remove_leaves_the_masters_and_a_working_model():
-    model = tiny_gpt()
+def test_remove_leaves_the_masters_and_a_working_model(gpt):
+    model = gpt()
     reference = copy.deepcopy(model)
-    idx = torch.randint(0, 256, (1, 6))
+    idx = torch.randint(0, 100, (1, 6))
     with offloaded(model, "layers", "cpu") as handle:
         masters = storage_ptrs(model)
         with torch.no_grad():
@@ -162,8 +159,8 @@ def test_remove_leaves_the_masters_and_a_working_model():
     assert storage_ptrs(model) == masters
 
 
-def test_a_failed_forward_does_not_leave_copies_installed():
-    model = tiny_gpt()
+def test_a_failed_forward_does_not_leave_copies_installed(gpt):
+    model = gpt()
     reference = copy.deepcopy(model)
     handle = layer_offload(model, "cpu")
     masters = storage_ptrs(model)
@@ -173,10 +170,10 @@ def test_a_failed_forward_does_not_leave_copies_installed():
 
     bad = model.transformer.h[2].mlp.register_forward_pre_hook(fail)  # after the block's weights came in
     with torch.no_grad(), pytest.raises(RuntimeError, match="block 2"):
-        model(torch.randint(0, 256, (1, 6)))
+        model(torch.randint(0, 100, (1, 6)))
     bad.remove()
     assert storage_ptrs(model) == masters and handle.stats.resident_bytes == 0
-    idx = torch.randint(0, 256, (1, 6))
+    idx = torch.randint(0, 100, (1, 6))
     with torch.no_grad():
         assert torch.equal(model(idx), reference(idx))
 
@@ -193,14 +190,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_cuda_layer_offload_equals_resident_and_frees_the_device(prefetch: bool):
-    model = tiny_gpt().cuda()
+def test_cuda_layer_offload_equals_resident_and_frees_the_device(gpt, prefetch: bool):
+    model = gpt().cuda()
     reference = copy.deepcopy(model)
     handle = layer_offload(model, "cuda", prefetch=prefetch)  # the blocks' masters go back to the host
     blocks = model.transformer.h
     assert all(p.device.type == "cpu" and p.is_pinned() for b in blocks for p in b.parameters())
     assert model.lm_head.weight.is_cuda
-    idx = torch.randint(0, 256, (2, 12), device="cuda")
+    idx = torch.randint(0, 100, (2, 12), device="cuda")
     with torch.no_grad():
         expected = reference(idx)
         torch.cuda.synchronize()
@@ -230,28 +227,31 @@ def test_cuda_sequential_offload_of_a_text_encoder():
     assert all(p.device.type == "cpu" for p in pipe.text_encoder.parameters())
 
 
-def test_trainer_model_to_device_leaves_the_offloaded_layers_on_the_host():
-    """Lightning's SingleDeviceStrategy.setup calls model_to_device(): the whole model, offloaded layers too.
+@needs_cuda
+def test_cuda_load_over_budget_offloads_and_matches_resident(tmp_path, tiny_config, tiny_gpt, meta_gpt,
+                                                             write_checkpoint):
+    from lightning_lowmem import load_checkpoint
 
-    The strategy is given the meta device as its root so that every tensor it moves is visible (a CPU-only
-    machine has no second real device); LowMemCallback patches model_to_device the same way for CUDA.
-    """
-    from lightning.pytorch.strategies import SingleDeviceStrategy
-
-    from lightning_lowmem.lightning.callback import _keep_offloaded_on_host
-
-    offloaded_names = ("transformer.h.1.", "transformer.h.2.")
-    for guarded in (False, True):
-        model = tiny_gpt()
-        handle = layer_offload(model, "cpu", layers=["transformer.h.1", "transformer.h.2"])
-        strategy = SingleDeviceStrategy(device=torch.device("meta"))
-        strategy.model = model
-        if guarded:
-            _keep_offloaded_on_host(strategy, handle)
-        strategy.model_to_device()
-        on_host = {n for n, p in model.named_parameters() if not p.is_meta}
-        if guarded:
-            assert on_host == {n for n, _ in model.named_parameters() if n.startswith(offloaded_names)}
-            assert handle.weights["transformer.h.1"].masters[0].device.type == "cpu"
-        else:
-            assert on_host == set()  # Lightning's own move takes every layer to the device
+    # the budget below is sized for this model: a vocabulary of 256 and an MLP of 64
+    config = tiny_config(n_layer=6, vocab_size=256, padded_vocab_size=256, intermediate_size=64)
+    source = tiny_gpt(config)
+    path = write_checkpoint(source.state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(config).eval()
+    budget = sum(t.numel() * t.element_size() for t in model.state_dict().values()) // 2 + 200_000
+    report = load_checkpoint(model, path, max_memory={"cuda:0": budget, "cpu": "1GiB"}, context=16)
+    assert report.placement.offloaded and report.offload is not None
+    idx = torch.randint(0, 256, (1, 10))
+    with torch.no_grad():
+        expected = source.cuda()(idx.cuda())
+        source.cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = model(idx.cuda())
+        peak = torch.cuda.max_memory_allocated()
+    torch.testing.assert_close(out, expected)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
+    assert resident <= report.placement.weights_per_device()["cuda:0"]
+    assert start <= report.placement.weights_per_device()["cuda:0"] + expected.nbytes
+    assert peak <= budget + expected.nbytes  # the reference output is the only other tensor on the device

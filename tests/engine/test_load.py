@@ -1,0 +1,146 @@
+"""load_checkpoint: streamed load == eager load, for every format and dtype; failures leave the module on meta."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lowmem import CheckpointFormatError, CheckpointNotFoundError, init_empty, load_checkpoint
+
+
+@pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_streamed_equals_eager(tmp_path, litgpt_model, checkpoint_format, source_dtype, write_checkpoint, meta_gpt,
+                               eager_gpt):
+    reference = litgpt_model.to(source_dtype)
+    path = write_checkpoint(reference.state_dict(), checkpoint_format, tmp_path)
+    model = meta_gpt(reference.config)
+
+    report = load_checkpoint(model, path, dtype=torch.bfloat16)
+
+    eager_model = eager_gpt(reference, torch.bfloat16)  # what users do today
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), eager_model.state_dict().items()):
+        assert ours.dtype == torch.bfloat16, name
+        assert torch.equal(ours, theirs), name
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    x = torch.randint(0, 100, (2, 16))
+    torch.testing.assert_close(model.eval()(x), eager_model(x), rtol=0, atol=0)
+    assert report.tensors == len(reference.state_dict())
+    assert report.bytes_read == sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+
+
+def test_litgpt_checkpoint_directory(tmp_path, litgpt_model, write_checkpoint, meta_gpt):
+    write_checkpoint(litgpt_model.state_dict(), "pth", tmp_path)  # lit_model.pth
+    model = meta_gpt(litgpt_model.config)
+    report = load_checkpoint(model, tmp_path)
+    assert [p.name for p in report.files] == ["lit_model.pth"]
+    x = torch.randint(0, 100, (1, 8))
+    torch.testing.assert_close(model.eval()(x), litgpt_model(x), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny Llama with tied embeddings and rotary buffers, written sharded by save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    directory = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(directory, max_shard_size="20KB")
+    return model, directory
+
+
+def test_transformers_sharded_save_pretrained(hf_llama):
+    from transformers import LlamaForCausalLM
+
+    reference, directory = hf_llama
+    assert len(list(directory.glob("*.safetensors"))) >= 4
+    with init_empty():
+        model = LlamaForCausalLM(reference.config)
+    report = load_checkpoint(model, directory)
+
+    assert report.files[0].parent == directory and len(report.files) >= 4
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, loaded once
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    x = torch.randint(0, 128, (2, 8))
+    torch.testing.assert_close(model.eval()(x).logits, reference(x).logits, rtol=0, atol=0)
+
+
+def test_real_module_keeps_parameter_objects_and_dtype(tmp_path, litgpt_model, write_checkpoint, tiny_gpt):
+    """A model that already has real tensors keeps its Parameter objects (optimizers hold them)."""
+    path = write_checkpoint(litgpt_model.to(torch.float32).state_dict(), "safetensors", tmp_path)
+    model = tiny_gpt(litgpt_model.config, seed=1)
+    before = {n: id(p) for n, p in model.named_parameters()}
+    load_checkpoint(model, path)
+    assert before == {n: id(p) for n, p in model.named_parameters()}
+    assert torch.equal(model.lm_head.weight, litgpt_model.lm_head.weight)
+
+
+def test_report_is_readable(tmp_path, litgpt_model, write_checkpoint, meta_gpt):
+    path = write_checkpoint(litgpt_model.state_dict(), "sharded-safetensors", tmp_path)
+    report = load_checkpoint(meta_gpt(litgpt_model.config), path, progress=False)
+    text = str(report)
+    assert f"Loaded {report.tensors} tensors" in text and "peak RSS" in text
+    assert report.memory.rss_peak >= report.memory.rss_start > 0
+    assert len(report.files) == 4
+
+
+def test_load_with_a_cpu_budget_matches_a_plain_load(tmp_path, tiny_config, tiny_gpt, meta_gpt, write_checkpoint):
+    config = tiny_config(n_layer=3)
+    source = tiny_gpt(config)
+    path = write_checkpoint(source.state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(config).eval()
+    report = load_checkpoint(model, path, max_memory={"cpu": "1GiB"}, context=16)
+    assert report.placement is not None and report.offload is None
+    assert "placement:" in str(report)
+    idx = torch.randint(0, 100, (1, 10))
+    with torch.no_grad():
+        assert torch.equal(model(idx), source(idx))
+    with pytest.raises(ValueError, match="not both"):
+        load_checkpoint(meta_gpt(config), path, device="cpu", max_memory={"cpu": "1GiB"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_load_straight_to_cuda(tmp_path, litgpt_model, write_checkpoint, meta_gpt, eager_gpt):
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(litgpt_model.config)
+    report = load_checkpoint(model, path, device="cuda", dtype=torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    assert report.memory.device_peak is not None and report.memory.device_peak > 0
+    x = torch.randint(0, 100, (1, 8))
+    expected = eager_gpt(litgpt_model, torch.bfloat16)(x)
+    torch.testing.assert_close(model.eval()(x.cuda()).cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_errors_leave_a_meta_module_untouched(tmp_path):
+    with init_empty():
+        layer = torch.nn.Linear(4, 4)
+    with pytest.raises(CheckpointNotFoundError):
+        load_checkpoint(layer, tmp_path / "missing.safetensors")
+    assert layer.weight.is_meta and layer.bias.is_meta
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "sharded-safetensors", "pth"])
+def test_read_failing_mid_load_leaves_everything_on_meta(tmp_path, litgpt_model, write_checkpoint, meta_gpt, kind):
+    """The file is cut short while the load runs (another process rewriting it): a real read error, half-way."""
+    import os
+
+    path = write_checkpoint(litgpt_model.state_dict(), kind, tmp_path)
+    files = sorted(tmp_path.glob("*.safetensors")) or [path]
+    seen: list[str] = []
+
+    def truncate_after_first(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not seen:
+            for f in files:
+                os.truncate(f, os.path.getsize(f) // 2)
+        seen.append(name)
+        return tensor
+
+    model = meta_gpt(litgpt_model.config)
+    with pytest.raises(CheckpointFormatError, match=r"could not read tensor|truncated") as error:
+        load_checkpoint(model, path, dtype=torch.bfloat16, transform=truncate_after_first, progress=False)
+    assert str(files[0].parent) in str(error.value)
+    assert 1 <= len(seen) < len(litgpt_model.state_dict())  # it failed half-way, after loading something
+    assert all(t.is_meta for t in model.state_dict().values())  # nothing that looks loaded is handed back

@@ -1,0 +1,58 @@
+"""The load plan, made from headers before any read: shapes, missing and unexpected keys, tied weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_lowmem import CheckpointMismatchError, MetaTensorError, init_empty, load_checkpoint
+
+
+def test_shape_mismatch_names_file_key_and_both_shapes_before_reading(tmp_path, litgpt_model, write_checkpoint,
+                                                                      tiny_config, meta_gpt):
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(tiny_config(n_embd=64))
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_checkpoint(model, path)
+    message = str(err.value)
+    assert "model.safetensors" in message and "'lm_head.weight'" in message
+    assert "[128, 32]" in message and "[128, 64]" in message
+    assert all(p.is_meta for p in model.parameters())  # nothing was read or assigned
+
+
+def test_missing_and_unexpected_keys_strict_and_not(tmp_path, litgpt_model, write_checkpoint, meta_gpt):
+    state = litgpt_model.state_dict()
+    state.pop("transformer.ln_f.weight")
+    state["extra.weight"] = torch.zeros(3)
+    path = write_checkpoint(state, "safetensors", tmp_path)
+
+    model = meta_gpt(litgpt_model.config)
+    with pytest.raises(CheckpointMismatchError, match=r"transformer\.ln_f\.weight.*extra\.weight"):
+        load_checkpoint(model, path)
+    assert all(p.is_meta for p in model.parameters())
+
+    with pytest.raises(MetaTensorError, match=r"transformer\.ln_f\.weight"):
+        load_checkpoint(model, path, strict=False)  # the missing one would stay on meta
+
+    real = meta_gpt(litgpt_model.config)
+    real.transformer.ln_f.weight = nn.Parameter(torch.full((32,), 2.0))  # a real tensor stays as it is
+    report = load_checkpoint(real, path, strict=False)
+    assert report.missing == ["transformer.ln_f.weight"] and report.skipped == ["extra.weight"]
+    assert torch.equal(real.transformer.ln_f.weight, torch.full((32,), 2.0))
+
+
+def test_tied_weights_saved_twice_are_read_once(tmp_path, write_checkpoint):
+    """torch.save writes both names of a tied weight; the loader reads one and keeps the tie."""
+    emb = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    source = nn.ModuleDict({"wte": emb, "lm_head": head})
+    path = write_checkpoint(source.state_dict(), "pth", tmp_path)
+    with init_empty():
+        target = nn.ModuleDict({"wte": nn.Embedding(10, 4), "lm_head": nn.Linear(4, 10, bias=False)})
+        target.lm_head.weight = target.wte.weight
+    report = load_checkpoint(target, path)
+    assert report.tensors == 1
+    assert target.lm_head.weight is target.wte.weight
+    assert torch.equal(target.wte.weight, emb.weight)
