@@ -1,11 +1,12 @@
-"""load_checkpoint: streamed load == eager load, for every format and dtype; failures leave the module on meta."""
+"""load_checkpoint: streamed load == eager load, for every format and dtype; a module is loaded whole or left as it
+was: what cannot be filled fails before any read, and any later failure puts everything back."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_lowmem import CheckpointFormatError, CheckpointNotFoundError, init_empty, load_checkpoint
+from lightning_lowmem import CheckpointFormatError, CheckpointNotFoundError, MetaTensorError, init_empty, load_checkpoint
 
 
 @pytest.mark.parametrize("source_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -139,8 +140,63 @@ def test_read_failing_mid_load_leaves_everything_on_meta(tmp_path, litgpt_model,
         return tensor
 
     model = meta_gpt(litgpt_model.config)
-    with pytest.raises(CheckpointFormatError, match=r"could not read tensor|truncated") as error:
+    with pytest.raises(CheckpointFormatError, match=r"changed \(size \d+ -> \d+ bytes") as error:
         load_checkpoint(model, path, dtype=torch.bfloat16, transform=truncate_after_first, progress=False)
     assert str(files[0].parent) in str(error.value)
     assert 1 <= len(seen) < len(litgpt_model.state_dict())  # it failed half-way, after loading something
     assert all(t.is_meta for t in model.state_dict().values())  # nothing that looks loaded is handed back
+
+
+# ---------------------------------------------------------------- loaded whole, or left as it was
+
+def test_strict_false_with_a_parameter_the_checkpoint_lacks_fails_before_any_read(tmp_path, litgpt_model,
+                                                                                   write_checkpoint, meta_gpt,
+                                                                                   read_recorder):
+    state = {k: v for k, v in litgpt_model.state_dict().items() if k != "transformer.ln_f.weight"}
+    path = write_checkpoint(state, "safetensors", tmp_path)
+    model = meta_gpt(litgpt_model.config)
+    with pytest.raises(MetaTensorError, match=r"'transformer\.ln_f\.weight' is not in the checkpoint.*nothing was read"):
+        load_checkpoint(model, path, strict=False)
+    assert read_recorder.calls == []
+    assert all(t.is_meta for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("quantize", [None, "bnb.int8"])
+def test_a_failure_after_the_plan_leaves_the_module_as_it_was(tmp_path, litgpt_model, write_checkpoint, meta_gpt,
+                                                             quantize):
+    path = write_checkpoint(litgpt_model.state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(litgpt_model.config)
+    before = {name: (type(mod), dict(mod._parameters)) for name, mod in model.named_modules()}
+    calls = []
+
+    def fail_late(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(name)
+        if len(calls) == len(litgpt_model.state_dict()):
+            raise RuntimeError("the last tensor fails")
+        return tensor
+
+    with pytest.raises(RuntimeError, match="the last tensor fails"):
+        load_checkpoint(model, path, quantize=quantize, transform=fail_late, progress=False)
+    after = {name: (type(mod), dict(mod._parameters)) for name, mod in model.named_modules()}
+    assert after.keys() == before.keys()
+    for name, (cls, params) in before.items():
+        assert after[name][0] is cls, name  # quantized Linears swapped back
+        assert all(after[name][1][k] is p for k, p in params.items()), name  # the very same (meta) parameters
+
+
+def test_a_failure_leaves_a_real_module_with_its_own_weights(tmp_path, litgpt_model, write_checkpoint, tiny_gpt):
+    path = write_checkpoint({k: v + 1 for k, v in litgpt_model.state_dict().items()}, "safetensors", tmp_path)
+    model = tiny_gpt(litgpt_model.config)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def fail_half_way(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(name)
+        if len(calls) > 3:
+            raise RuntimeError("half way")
+        return tensor
+
+    with pytest.raises(RuntimeError, match="half way"):
+        load_checkpoint(model, path, transform=fail_half_way, progress=False)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original[name]), name

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,3 +62,55 @@ def test_missing_path_and_empty_directory(tmp_path):
         Checkpoint.open(tmp_path / "nope.safetensors")
     with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
         Checkpoint.open(tmp_path)
+
+
+# ---------------------------------------------------------------- an index cannot leave its directory
+
+_OPENED: list[str] = []  # every path opened from Python while the hook below records (audit hooks cannot be removed)
+sys.addaudithook(lambda event, args: _OPENED.append(str(args[0])) if event == "open" else None)
+
+
+def _index(directory: Path, weight_map: object) -> Path:
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_shard_names_outside_the_directory_are_refused_unopened(tmp_path, name):
+    (tmp_path / "outside.safetensors").write_bytes(b"secret, never to be read")
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    save_file({"x": torch.ones(2)}, directory / "model-00001.safetensors")
+    index = _index(directory, {"x": "model-00001.safetensors", "y": name})
+    _OPENED.clear()
+    with pytest.raises(CheckpointFormatError, match=r"names shard files outside its directory") as error:
+        Checkpoint.open(index)
+    assert "secret" not in str(error.value)
+    assert not any(path.endswith(("outside.safetensors", "passwd")) for path in _OPENED)
+
+
+def test_symlinked_shards_inside_the_directory_load(tmp_path):
+    """The Hugging Face cache: a snapshot directory of symlinks into a blobs directory beside it."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    save_file({"x": torch.arange(3.0)}, blobs / "f00d")
+    (snapshot / "model-00001.safetensors").symlink_to(blobs / "f00d")
+    with Checkpoint.open(_index(snapshot, {"x": "model-00001.safetensors"})) as ckpt:
+        assert torch.equal(ckpt.read("x"), torch.arange(3.0))
+
+
+@pytest.mark.parametrize("weight_map", [["a", "b"], {"x": 5}, {"x": ["a"]}, {"x": None}, "model.safetensors"])
+def test_a_weight_map_of_the_wrong_shape_is_a_typed_error(tmp_path, weight_map):
+    with pytest.raises(CheckpointFormatError, match=r"weight_map"):
+        Checkpoint.open(_index(tmp_path, weight_map))
+
+
+@pytest.mark.parametrize("content", [b'{"weight_map": {"x": "\xff\xfe.safetensors"}}',
+                                     b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_a_non_utf8_or_deeply_nested_index_is_a_typed_error(tmp_path, content):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(content)
+    with pytest.raises(CheckpointFormatError, match=r"not a sharded-checkpoint index"):
+        Checkpoint.open(index)
