@@ -143,6 +143,34 @@ class Snapshot:
             param.data = data
 
 
+def check_meta_at_first_forward(module: nn.Module, advice: str) -> None:
+    """Make ``module``'s first forward raise :class:`MetaTensorError`, naming what is still on meta and ``advice``,
+    instead of torch's "Tensor on device meta is not on the expected device". The check runs once: after a
+    forward that passes it, it is removed.
+
+    Example::
+
+        >>> with init_empty():
+        ...     layer = nn.Linear(2, 2)
+        >>> check_meta_at_first_forward(layer, "Load a checkpoint first.")
+        >>> layer(torch.ones(2))
+        Traceback (most recent call last):
+        ...
+        lightning_lowmem.errors.MetaTensorError: Linear's forward: 2 tensors are still on the meta device: 'weight', 'bias'. Load a checkpoint first.
+    """
+    if "_lowmem_meta_guard" in module.__dict__:
+        return
+
+    def guard(mod: nn.Module, args: object) -> None:
+        left = meta_tensor_names(mod)
+        if left:
+            raise MetaTensorError(f"{type(mod).__name__}'s forward: {len(left)} tensors are still on the meta "
+                                  f"device: {format_names(left)}. {advice}")
+        mod.__dict__.pop("_lowmem_meta_guard").remove()
+
+    module.__dict__["_lowmem_meta_guard"] = module.register_forward_pre_hook(guard)
+
+
 def has_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device.
 

@@ -42,16 +42,24 @@ from lightning_lowmem.lightning.state import (
     plugin_dtype,
     remap_optimizer_params,
 )
-from lightning_lowmem.meta import has_meta, init_empty
+from lightning_lowmem.meta import check_meta_at_first_forward, has_meta, init_empty
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import Combine, KeyMap
+
+
+_META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path, model) or fabric.load), or, for "
+                "a fresh run without a checkpoint, build it with fabric.init_module(empty_init=False): "
+                "strategy='lowmem' builds parameters on the meta device by default.")
 
 
 class LowMemStrategy(SingleDeviceStrategy):
     """Fabric on one device, with models built on meta and checkpoints streamed (and quantized) in.
 
-    * ``fabric.init_module()`` builds parameters on the meta device whatever ``empty_init`` says;
-      buffers computed in ``__init__`` (RoPE tables, masks) stay real. ``fabric.init_tensor()`` is unchanged.
+    * ``fabric.init_module()`` (and ``empty_init=True``) builds parameters on the meta device; buffers computed
+      in ``__init__`` (RoPE tables, masks) stay real. ``fabric.init_module(empty_init=False)`` builds real,
+      initialised parameters as Lightning does, for a fresh run. ``fabric.init_tensor()`` is unchanged.
+    * A model still on meta at its first forward raises :class:`~lightning_lowmem.MetaTensorError` naming the
+      tensors and what to do.
     * ``fabric.setup(model)`` accepts a model still on meta; the weights can be loaded before or after.
     * ``fabric.load_raw(path, model)`` and ``fabric.load(path, {"model": model, ...})`` stream the model's
       tensors through :func:`~lightning_lowmem.load_checkpoint`; the other entries (optimizer state, counters)
@@ -146,12 +154,19 @@ class LowMemStrategy(SingleDeviceStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        # empty_init is ignored on purpose: parameters go to meta (no memory, no init) in every case.
+        if empty_init is False:  # real, initialised parameters, as Lightning builds them (a fresh run)
+            return super().module_init_context(empty_init=False)
+        # None (the default) and True: parameters on meta, no memory and no init; they come from a checkpoint
         stack = ExitStack()
         stack.enter_context(self.root_device)  # buffers built in __init__ go straight to the device
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(init_empty())
         return stack
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        check_meta_at_first_forward(module, _META_ADVICE)
+        return super().setup_module(module)
 
     @override
     def module_to_device(self, module: nn.Module) -> None:

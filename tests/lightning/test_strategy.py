@@ -48,7 +48,7 @@ def test_bad_options_fail_when_built():
         LowMemStrategy(dtype="bf16")
 
 
-@pytest.mark.parametrize("empty_init", [None, False, True])
+@pytest.mark.parametrize("empty_init", [None, True])
 def test_init_module_is_meta_and_init_tensor_is_real(litgpt_config, empty_init):
     from litgpt import GPT
 
@@ -60,6 +60,41 @@ def test_init_module_is_meta_and_init_tensor_is_real(litgpt_config, empty_init):
     with fabric.init_tensor():
         x = torch.ones(3)
     assert not x.is_meta and x.dtype == torch.bfloat16
+
+
+def test_a_fresh_run_with_empty_init_false_builds_real_weights_and_trains(litgpt_config):
+    from litgpt import GPT
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="lowmem", precision="32-true")
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=False):
+        model = GPT(litgpt_config)
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(p.std() > 0 for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n
+               and "ln" not in n)  # initialised, not empty
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    batch = torch.randint(0, litgpt_config.padded_vocab_size, (2, 9))
+    losses = []
+    for _ in range(5):
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_a_model_still_on_meta_at_its_first_forward_says_what_to_do(litgpt_config):
+    from litgpt import GPT
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="lowmem")
+    with fabric.init_module():
+        model = GPT(litgpt_config)
+    model = fabric.setup(model)
+    with pytest.raises(MetaTensorError, match=r"GPT's forward: \d+ tensors are still on the meta device: "
+                                             r"'lm_head\.weight'.*fabric\.load_raw.*empty_init=False"):
+        model(torch.randint(0, 10, (1, 4)))
 
 
 @pytest.mark.parametrize("flag", ["string", "instance"])
