@@ -23,7 +23,7 @@ from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.nbytes import tensor_nbytes
 from lightning_lowmem.quantize.rows import RowSource
 from lightning_lowmem.quantize.schemes import QuantScheme, check_available
-from lightning_lowmem.quantize.selection import Selection
+from lightning_lowmem.quantize.selection import Selection, as_linear
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,11 @@ class Quantizer:
         self.bytes_before = 0
         self.bytes_after = 0
         self._modules = {weight: name for name, weight in selection.chosen.items()}  # weight name -> module name
+        self._transposed = selection.transposed
 
     def by_rows(self, target: Target) -> bool:
         """Whether ``target`` may be handed to :meth:`load` as a :class:`RowSource` (read a block at a time)."""
-        return self.scheme.by_rows and target.scheme is not None
+        return target.scheme is not None and target.scheme.by_rows
 
     def load(self, module: nn.Module, target: Target, tensor: torch.Tensor | RowSource) -> bool:
         """Quantize ``tensor`` into the module that owns ``target``'s weight.
@@ -66,6 +67,8 @@ class Quantizer:
             return False
         module_name = self._modules[target.names[0]]
         owner = module.get_submodule(module_name)
+        if module_name in self._transposed:  # stored (in, out), as transformers' Conv1D holds it
+            tensor = tensor.t().contiguous()
         self.bytes_before += tensor.nbytes
         self.scheme.load_weight(owner, tensor)
         self.bytes_after += tensor_nbytes(owner.weight)
@@ -92,7 +95,8 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
     dtypes = {name: target.dtype for target in plan.targets for name in target.names}
     for module_name, weight_name in selection.chosen.items():
         old = module.get_submodule(module_name)
-        new = scheme.replace(old, dtypes[weight_name])
+        linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
+        new = scheme.replace(linear, dtypes[weight_name])
         if new is not old:
             parent, leaf = owner_of(module, module_name)
             setattr(parent, leaf, new)

@@ -2,10 +2,13 @@
 
 :func:`select_linears` runs once per plan; the loader quantizes exactly the
 targets it marks (``Target.scheme``), and the placement plan and the memory
-estimate count exactly those at the scheme's size. Only modules whose type is
-exactly ``nn.Linear`` are candidates: subclasses (LoRA layers, already-quantized
-layers, ``nn.MultiheadAttention``'s ``NonDynamicallyQuantizableLinear``) may have
-their own forward. A candidate stays in full precision when
+estimate count exactly those at the scheme's size. Candidates are modules whose type is
+exactly ``nn.Linear`` (subclasses: LoRA layers, already-quantized layers,
+``nn.MultiheadAttention``'s ``NonDynamicallyQuantizableLinear`` may have their own
+forward) and transformers' ``Conv1D`` (GPT-2's projections: a Linear whose weight is
+stored transposed, ``(in, out)``; it is replaced by the scheme's Linear and its weight
+transposed as it is read, as transformers' own bitsandbytes integration does). A
+candidate stays in full precision when
 
 * its name matches a ``skip_quantize`` glob (default: ``lm_head`` and the
   model's output embeddings, as transformers does),
@@ -22,7 +25,9 @@ import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from lightning_lowmem.errors import format_names
@@ -41,11 +46,49 @@ class Selection:
         scheme: the scheme the chosen Linears are quantized with.
         chosen: module name -> name of its weight in the plan, for each Linear to quantize.
         left_out: module name -> why that Linear stays in full precision.
+        transposed: the chosen modules whose weight is stored ``(in, out)`` (transformers' ``Conv1D``).
     """
 
     scheme: QuantScheme
     chosen: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
+    transposed: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """``scheme`` for a weight stored transposed, ``(in, out)``: read whole and transposed, then quantized."""
+
+    scheme: QuantScheme
+    by_rows: ClassVar[bool] = False  # a block of stored rows is a block of input features
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        return self.scheme.stored_nbytes(tuple(reversed(shape)))
+
+    def __getattr__(self, name: str) -> Any:  # name, transient, library_bytes, first_forward, ...
+        return getattr(self.scheme, name)
+
+
+def as_linear(module: nn.Module) -> tuple[nn.Linear | None, bool]:
+    """``(the Linear module stands for, whether its weight is stored transposed)``: ``module`` itself for an
+    ``nn.Linear``, a meta ``nn.Linear`` of the same features for transformers' ``Conv1D``, else ``(None, False)``.
+
+    Example::
+
+        >>> as_linear(nn.Linear(3, 2))[1], as_linear(nn.Conv1d(3, 2, 1))[0] is None
+        (False, True)
+    """
+    if type(module) is nn.Linear:
+        return module, False
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int) and \
+            isinstance(weight, torch.Tensor) and tuple(weight.shape) == (module.nx, module.nf):
+        bias = getattr(module, "bias", None)
+        stand_in = nn.Linear(module.nx, module.nf, bias=bias is not None, device="meta", dtype=weight.dtype)
+        if bias is not None:
+            stand_in.bias = bias
+        return stand_in, True
+    return None, False
 
 
 def parse_skip(skip_quantize: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -87,18 +130,34 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
     patterns = DEFAULT_SKIP if skip is None else skip
     selection = Selection(scheme)
     for name, mod in module.named_modules():
-        if type(mod) is not nn.Linear:
+        linear, transposed = as_linear(mod)
+        if linear is None:
             continue
         weight_name = f"{name}.weight" if name else "weight"
         target = targets.get(weight_name)
-        reason = _reason(name, mod, target, patterns, scheme, shared=uses[id(mod)] > 1,
+        reason = _reason(name, linear, target, patterns, scheme, shared=uses[id(mod)] > 1,
                          is_output_head=mod is output_head)
         if reason is None:
             selection.chosen[name] = weight_name
-            target.scheme = scheme
+            target.scheme = Transposed(scheme) if transposed else scheme
+            if transposed:
+                selection.transposed.add(name)
         else:
             selection.left_out[name] = reason
+    if not selection.chosen:
+        _warn_nothing_chosen(module, scheme, selection)
     return selection
+
+
+def _warn_nothing_chosen(module: nn.Module, scheme: QuantScheme, selection: Selection) -> None:
+    """A ``quantize=`` that quantizes nothing says so, and what the module is made of."""
+    kinds = Counter(type(m).__name__ for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
+    seen = format_names((f"{kind} x {n}" for kind, n in kinds.most_common()), quote=False)
+    reasons = format_names((f"{n} ({why})" for n, why in selection.left_out.items()), limit=3, quote=False)
+    warnings.warn(f"quantize={scheme.name!r} quantizes nothing in {type(module).__name__}: it quantizes nn.Linear "
+                  f"and transformers' Conv1D; the layers with weights here are {seen or 'none'}"
+                  + (f", and the Linears left out are {reasons}" if selection.left_out else "") + ".",
+                  UserWarning, stacklevel=3)
 
 
 def _warn_unmatched(module: nn.Module, patterns: tuple[str, ...]) -> None:

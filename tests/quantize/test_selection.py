@@ -81,3 +81,45 @@ def test_transformers_output_embeddings_skipped_by_default(hf_checkpoints, forwa
     model, report = hf_load(root, configs, "neox", quantize="bnb.nf4", skip_quantize=[])
     assert type(model.embed_out) is bnb.nn.Linear4bit and "embed_out" in report.quantized
     assert forward_logits(model).isfinite().all()
+
+
+@pytest.mark.parametrize("scheme", ["bnb.int8", "bnb.nf4", "torchao.int8wo"])
+def test_gpt2_conv1d_layers_are_quantized_as_transformers_bitsandbytes_does(tmp_path, scheme):
+    """transformers' Conv1D holds its weight (in, out): it is replaced by the scheme's Linear, the weight transposed."""
+    if scheme not in ON_CPU:
+        pytest.skip(f"{scheme} has no kernel on CPU here")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with init_empty():
+        model = transformers.GPT2LMHeadModel(config)
+    report = load_checkpoint(model, tmp_path, quantize=scheme, progress=False)
+    conv1d = {name for name, m in transformers.GPT2LMHeadModel(config).named_modules() if type(m).__name__ == "Conv1D"}
+    assert set(report.quantized) == conv1d and len(conv1d) == 8
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.eval()(ids).logits
+        full = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()(ids).logits
+    if scheme.startswith("bnb"):
+        bnb_config = (transformers.BitsAndBytesConfig(load_in_8bit=True) if scheme == "bnb.int8" else
+                      transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.float32))
+        theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path, quantization_config=bnb_config,
+                                                              device_map="cpu").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours, theirs(ids).logits, rtol=0, atol=1e-5)
+    assert 0 < (ours - full).abs().max() < 0.2  # quantized, and close to full precision
+
+
+def test_a_load_that_quantizes_nothing_says_what_it_saw(tmp_path):
+    from safetensors.torch import save_file
+
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
+    save_file(conv.state_dict(), tmp_path / "conv.safetensors")
+    with init_empty():
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
+    with pytest.warns(UserWarning, match=r"quantize='bnb\.int8' quantizes nothing in Sequential: it quantizes nn\.Linear"
+                                         r" and transformers' Conv1D; the layers with weights here are Conv2d x 1"):
+        report = load_checkpoint(model, tmp_path / "conv.safetensors", quantize="bnb.int8")
+    assert report.quantized == {}
