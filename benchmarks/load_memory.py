@@ -47,11 +47,12 @@ METHODS = {
     "accelerate": "init_empty_weights + load_checkpoint_and_dispatch",
     "fabric": "Fabric.init_module(empty_init=True) + load_raw",
     "lowmem": "lightning_lowmem init_empty + load_checkpoint",
+    "lowmem-mmap": "lightning_lowmem init_empty + load_checkpoint(mmap=True)",
 }
 CASES = [  # (checkpoint, methods); Fabric's load_raw goes through torch.load, which reads torch files only
-    ("bf16.safetensors", ["naive", "torch-native", "accelerate", "lowmem"]),
-    ("bf16-sharded", ["naive", "torch-native", "accelerate", "lowmem"]),
-    ("bf16.pth", ["naive", "torch-native", "accelerate", "fabric", "lowmem"]),
+    ("bf16.safetensors", ["naive", "torch-native", "accelerate", "lowmem", "lowmem-mmap"]),
+    ("bf16-sharded", ["naive", "torch-native", "accelerate", "lowmem", "lowmem-mmap"]),
+    ("bf16.pth", ["naive", "torch-native", "accelerate", "fabric", "lowmem", "lowmem-mmap"]),
     ("fp32.safetensors", ["naive", "torch-native", "accelerate", "lowmem"]),
 ]
 
@@ -99,10 +100,10 @@ def build_and_load(method: str, config: object, path: Path) -> torch.nn.Module:
         with fabric.init_module(empty_init=True):
             model = GPT(config)
         fabric.load_raw(path, model)
-    elif method == "lowmem":
+    elif method in ("lowmem", "lowmem-mmap"):
         with init_empty():
             model = GPT(config)
-        load_checkpoint(model, path, dtype=torch.bfloat16, progress=False)
+        load_checkpoint(model, path, dtype=torch.bfloat16, progress=False, mmap=method == "lowmem-mmap")
     else:
         raise ValueError(method)
     return model

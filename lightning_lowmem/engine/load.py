@@ -50,6 +50,7 @@ def load_checkpoint(
     context: int | None = None,
     transform: Transform | None = None,
     combine: Combine | None = None,
+    mmap: bool | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -62,7 +63,7 @@ def load_checkpoint(
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
         device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, context,
-            transform, combine: the fields of :class:`~lightning_lowmem.LoadOptions`.
+            transform, combine, mmap: the fields of :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
         A :class:`LoadReport`.
@@ -88,7 +89,7 @@ def load_checkpoint(
     """
     options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
                                 strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
-                                context=context, transform=transform, combine=combine)
+                                context=context, transform=transform, combine=combine, mmap=mmap)
     return run_load(module, checkpoint, options)
 
 
@@ -152,8 +153,9 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
     report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
                         key_note=plan.prefix_note, placement=prepared.placement)
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
-    report.tensors, report.bytes_read = stream(module, ckpt, plan, quantizer, transform=options.transform,
-                                               combine=options.combine, progress=options.progress)
+    report.tensors, report.bytes_read, report.mapped = stream(
+        module, ckpt, plan, quantizer, transform=options.transform, combine=options.combine,
+        progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
     _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)

@@ -49,6 +49,11 @@ class LoadOptions:
         context: tokens of KV cache (prompt + max_new_tokens) the placement plan reserves room for.
         batch_size: sequences per forward the placement plan reserves caches and activations for.
         progress: show a progress bar by bytes; default: when stderr is a terminal.
+        mmap: when every tensor goes to the CPU as it is stored (no cast, no quantization, no transform,
+            nothing combined), make the tensors views of the file's mapped pages instead of copies: the
+            load reads nothing up front, pages are file-backed and read when first touched. The file must
+            then not change while the model lives (a file cut short under a mapping crashes the process),
+            and mapped torch-file tensors are not CRC-checked. Any other load copies, whatever this says.
 
     Example::
 
@@ -71,6 +76,7 @@ class LoadOptions:
     context: int | None = None
     batch_size: int = 1
     progress: bool | None = None
+    mmap: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -97,6 +103,7 @@ class LoadOptions:
             ("context", self.context, self.context is None or _is_int(self.context), "an int >= 1 or None"),
             ("batch_size", self.batch_size, _is_int(self.batch_size), "an int >= 1"),
             ("progress", self.progress, self.progress is None or isinstance(self.progress, bool), "a bool or None"),
+            ("mmap", self.mmap, isinstance(self.mmap, bool), "True or False"),
         ]
         for name, value, ok, expected in checks:
             if not ok:

@@ -29,6 +29,8 @@ class LoadReport:
         quantized: quantized module name -> scheme.
         left_out: ``nn.Linear`` module name -> why it stayed in full precision (``quantize`` only).
         quantized_bytes_before / quantized_bytes_after: those modules' weight bytes.
+        mapped: the tensors are views of the file's mapped pages (``mmap=True`` on a load that casts,
+            moves and quantizes nothing), not copies.
         placement: the placement plan (``max_memory`` only).
         offload: the hooks that stream the offloaded layers in (``max_memory`` only, when layers are offloaded).
     """
@@ -48,13 +50,14 @@ class LoadReport:
     left_out: dict[str, str] = field(default_factory=dict)
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
+    mapped: bool = False
     placement: PlacementPlan | None = None
     offload: Offload | None = None
 
     def __str__(self) -> str:
         where = format_names((p.name for p in self.files), limit=3, quote=False)
         lines = [
-            f"Loaded {self.tensors} tensors ({format_bytes(self.bytes_read)} read, "
+            f"Loaded {self.tensors} tensors ({'mapped, not' if self.mapped else format_bytes(self.bytes_read)} read, "
             f"{format_bytes(self.bytes_loaded)} in the model) from {where} in {self.seconds:.2f} s",
             f"  memory: {self.memory.summary()}",
         ]

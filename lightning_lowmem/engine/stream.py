@@ -35,12 +35,15 @@ Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
 def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None, *,
            transform: Transform | None = None, combine: Combine | None = None,
-           progress: bool | None = None) -> tuple[int, int]:
-    """Load every target of ``plan`` from ``ckpt`` into ``module``; returns ``(tensors read, bytes read)``.
+           progress: bool | None = None, mmap: bool = False) -> tuple[int, int, bool]:
+    """Load every target of ``plan`` from ``ckpt`` into ``module``; returns ``(tensors, bytes read, mapped)``.
+
+    With ``mmap``, when :func:`mappable` says the whole load may be mapped, each tensor is a view of its
+    file's mapped pages (bytes read: 0) instead of a copy.
 
     On an error the module is left as far as it got; the caller puts it back (``meta.Snapshot``).
     """
-    reads = _Reads(ckpt, plan, quantizer, transform, combine)
+    reads = _Reads(ckpt, plan, quantizer, transform, combine, mmap=mmap and mappable(plan, quantizer, transform))
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
     tensors = nbytes = 0
@@ -50,11 +53,11 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
                 _install(module, target, tensor, quantizer, transform)
                 del tensor
                 tensors += len(target.parts) or 1
-                nbytes += target.read_nbytes
+                nbytes += 0 if reads.mapped else target.read_nbytes
                 bar.update(target.read_nbytes)
     finally:
         bar.close()
-    return tensors, nbytes
+    return tensors, nbytes, reads.mapped
 
 
 def _install(module: nn.Module, target: Target, tensor: torch.Tensor | RowSource, quantizer: Quantizer | None,
@@ -70,15 +73,28 @@ def _install(module: nn.Module, target: Target, tensor: torch.Tensor | RowSource
         assign(module, target.names, tensor, target.is_parameter)
 
 
+def mappable(plan: LoadPlan, quantizer: Quantizer | None, transform: Transform | None) -> bool:
+    """Whether every target goes to the CPU as it is stored: then the load may map the file instead of copying.
+
+    One cast, move, quantized weight, transform or combined tensor and the whole load copies: a mapped
+    tensor keeps its file's whole mapping alive, which a load that keeps only some tensors as stored
+    must not (quantizing from mapped weights peaked at the bf16 model + the int8 one).
+    """
+    return quantizer is None and transform is None and all(
+        not t.parts and t.dtype == t.record.dtype and t.device.type == "cpu" for t in plan.targets)
+
+
 class _Reads:
-    """How each target is read: into a reused scratch buffer, by blocks of rows, from combined parts, or plainly."""
+    """How each target is read: mapped, into a reused scratch buffer, by blocks of rows, from combined parts,
+    or plainly."""
 
     def __init__(self, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None, transform: Transform | None,
-                 combine: Combine | None) -> None:
+                 combine: Combine | None, mmap: bool = False) -> None:
         self.ckpt, self.quantizer, self.transform, self.combine = ckpt, quantizer, transform, combine
+        self.mapped = mmap
         transient = quantizer is not None or transform is not None or any(
             t.parts or t.dtype != t.record.dtype or t.device.type != "cpu" for t in plan.targets)
-        self.window = 0 if transient else READ_AHEAD_FINAL  # transient reads are never read ahead
+        self.window = 0 if transient or self.mapped else READ_AHEAD_FINAL  # transient reads are never read ahead
         size = _scratch_size(plan, lambda t: self._copied(t) and not self.by_rows(t)) if self.window == 0 else 0
         self.scratch = ScratchBuffer(size) if size else None
         self.scratch_size = size
@@ -96,6 +112,10 @@ class _Reads:
                                      or target.scheme is not None)
 
     def read(self, target: Target) -> torch.Tensor | RowSource:
+        if self.mapped:
+            tensor = self.ckpt.map(target.record.key)
+            if tensor is not None:
+                return tensor
         if target.parts:
             return _read_combined(self.parts, target, self.combine)
         if self.by_rows(target):

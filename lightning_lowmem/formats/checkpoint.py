@@ -137,6 +137,13 @@ class Checkpoint:
         """
         return self._owner[key].read(key, out)
 
+    def map(self, key: str) -> torch.Tensor | None:
+        """Tensor ``key`` over its file's mapped pages instead of read (None when it cannot be mapped: read it).
+
+        Mapped tensors keep their file's mapping alive, and the file must not change while they live.
+        """
+        return self._owner[key].map(key)
+
     def reads_rows(self, key: str) -> bool:
         """Whether blocks of rows of ``key`` can be read on their own (:meth:`read_rows`)."""
         return self._owner[key].reads_rows(key)

@@ -10,6 +10,8 @@ new bytes.
 from __future__ import annotations
 
 import fcntl
+import math
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -80,6 +82,26 @@ class OpenedFile:
         self.path = path
         self._fd = fd
         self._stat = os.fstat(fd)
+        self._mapped: torch.Tensor | None = None
+
+    def mapped_view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor of ``shape`` and ``dtype`` over the file's bytes from ``offset``, mapped, not read; None when
+        ``offset`` is not a multiple of the dtype's size (read it instead).
+
+        The file is mapped once, privately (copy-on-write: writing to a tensor never writes to the file),
+        through this object's own descriptor. Every tensor made here keeps the whole mapping alive: its
+        pages are file-backed, read from the file when first touched, so the file must not change while
+        such a tensor lives.
+        """
+        nbytes = math.prod(shape) * dtype.itemsize
+        self._check_span(offset, nbytes)
+        if offset % dtype.itemsize:
+            return None
+        self.check_unchanged()
+        if self._mapped is None:
+            mapping = mmap.mmap(self._fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mapped = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+        return self._mapped[offset:offset + nbytes].view(dtype).view(shape)
 
     @property
     def size(self) -> int:
@@ -122,4 +144,5 @@ class OpenedFile:
                 "bytes. The file is truncated or damaged: download or save it again.")
 
     def close(self) -> None:
+        self._mapped = None  # tensors made by mapped_view keep the mapping alive on their own
         os.close(self._fd)

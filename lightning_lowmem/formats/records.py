@@ -52,6 +52,10 @@ class CheckpointFile(Protocol):
         """A new CPU tensor with the stored data, sharing memory with nothing else (or ``out``, filled)."""
         ...
 
+    def map(self, key: str) -> torch.Tensor | None:
+        """``key`` over the file's mapped pages, not read; None when it cannot be mapped."""
+        ...
+
     def reads_rows(self, key: str) -> bool:
         """Whether :meth:`read_rows` can read a block of rows of ``key`` without reading the rest."""
         ...

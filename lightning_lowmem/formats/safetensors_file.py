@@ -73,6 +73,11 @@ class SafetensorsFile(OpenedFile):
         record = self._records[key]
         return self._read_at(key, 0, record.shape, out)
 
+    def map(self, key: str) -> torch.Tensor | None:
+        """Tensor ``key`` over the file's mapped pages, not read (see :meth:`OpenedFile.mapped_view`)."""
+        rec = self._records[key]
+        return self.mapped_view(self._offsets[key], rec.shape, rec.dtype)
+
     def reads_rows(self, key: str) -> bool:
         return len(self._records[key].shape) >= 1
 

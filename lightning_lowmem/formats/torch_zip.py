@@ -256,6 +256,14 @@ class TorchZipFile(OpenedFile):
         _check_crc(self.path, self._crcs[ref.storage.key], _crc(whole), key)
         return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
+    def map(self, key: str) -> torch.Tensor | None:
+        """Tensor ``key`` over the file's mapped pages, not read and not CRC-checked (see
+        :meth:`OpenedFile.mapped_view`); None for a strided view."""
+        loc = self._locations[key]
+        if not loc.contiguous:
+            return None
+        return self.mapped_view(loc.offset + loc.ref.offset * loc.ref.dtype.itemsize, loc.ref.shape, loc.ref.dtype)
+
     def reads_rows(self, key: str) -> bool:
         return self._locations[key].contiguous and len(self._records[key].shape) >= 1
 
