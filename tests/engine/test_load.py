@@ -200,3 +200,43 @@ def test_a_failure_leaves_a_real_module_with_its_own_weights(tmp_path, litgpt_mo
         load_checkpoint(model, path, transform=fail_half_way, progress=False)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, original[name]), name
+
+
+# ---------------------------------------------------------------- mapped, not copied
+
+def _mappings_of(path) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(str(path) in line for line in f)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "sharded-safetensors", "pth"])
+def test_a_mapped_load_equals_a_copied_one_and_reads_nothing(tmp_path, litgpt_model, write_checkpoint, meta_gpt, kind):
+    reference = litgpt_model.to(torch.bfloat16)
+    path = write_checkpoint(reference.state_dict(), kind, tmp_path)
+    mapped, copied = meta_gpt(reference.config), meta_gpt(reference.config)
+    report = load_checkpoint(mapped, path, dtype=torch.bfloat16, mmap=True, progress=False)
+    load_checkpoint(copied, path, dtype=torch.bfloat16, progress=False)
+    assert report.mapped and report.bytes_read == 0 and "mapped, not read" in str(report)
+    assert all(torch.equal(a, b) for a, b in zip(mapped.state_dict().values(), copied.state_dict().values(),
+                                                 strict=True))
+    files = sorted(tmp_path.glob("*.safetensors")) or [path]
+    assert all(_mappings_of(f) for f in files)  # the weights are the file's pages
+    x = torch.randint(0, 100, (1, 8))
+    torch.testing.assert_close(mapped.eval()(x), copied.eval()(x), rtol=0, atol=0)
+    del mapped, report
+    import gc
+
+    gc.collect()
+    assert not any(_mappings_of(f) for f in files)  # the mapping goes with the last tensor
+
+
+@pytest.mark.parametrize("change", ["cast", "quantize", "transform"])
+def test_a_load_that_changes_a_tensor_never_keeps_the_file_mapped(tmp_path, litgpt_model, write_checkpoint, meta_gpt,
+                                                                 change):
+    path = write_checkpoint(litgpt_model.to(torch.bfloat16).state_dict(), "safetensors", tmp_path)
+    options = {"cast": dict(dtype=torch.float32), "quantize": dict(dtype=torch.bfloat16, quantize="bnb.int8"),
+               "transform": dict(dtype=torch.bfloat16, transform=lambda name, t: t)}[change]
+    model = meta_gpt(litgpt_model.config)
+    report = load_checkpoint(model, path, mmap=True, progress=False, **options)
+    assert not report.mapped and report.bytes_read > 0
+    assert _mappings_of(path) == 0
