@@ -5,8 +5,9 @@
     python examples/fabric_load.py --model pythia-160m --workdir /tmp/lowmem-example
 
 It first writes a checkpoint to load (the litgpt architecture with random weights, saved as
-``lit_model.pth`` the way litgpt saves it), then loads it the way an existing Fabric script does,
-with one flag changed, and checks the output against an eagerly loaded copy.
+``lit_model.pth`` the way litgpt saves it) under ``--workdir``, by default
+~/.cache/lightning_lowmem/examples/fabric_load (later runs reuse it), then loads it the way an
+existing Fabric script does, with one flag changed, and checks the output against an eagerly loaded copy.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pythia-14m")
     parser.add_argument("--quantize", default=None, help='e.g. "bnb.nf4", "bnb.int8", "torchao.int8wo"')
-    parser.add_argument("--workdir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "examples"
+                        / "fabric_load", help="where the checkpoint is written (default: %(default)s)")
     args = parser.parse_args()
     path = make_checkpoint(args.model, args.workdir)
     config = Config.from_name(args.model)

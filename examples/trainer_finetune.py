@@ -6,7 +6,8 @@
 
 It writes a base checkpoint first (random weights, litgpt's ``lit_model.pth``), then fine-tunes LoRA
 adapters on a toy task (continue a counting sequence), saves a Lightning checkpoint that holds only
-the adapters, and restores it with ``predict(ckpt_path=...)``.
+the adapters, and restores it with ``predict(ckpt_path=...)``. Both files go under ``--workdir``, by
+default ~/.cache/lightning_lowmem/examples/trainer_finetune (later runs reuse the base checkpoint).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main() -> None:
     parser.add_argument("--model", default="pythia-14m")
     parser.add_argument("--quantize", default="bnb.nf4", help='"bnb.nf4", "bnb.int8", ... or "none"')
     parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--workdir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lightning_lowmem" / "examples"
+                        / "trainer_finetune", help="where the checkpoints are written (default: %(default)s)")
     args = parser.parse_args()
     base = args.workdir / args.model / "lit_model.pth"
     if not base.exists():

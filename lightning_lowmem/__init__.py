@@ -47,7 +47,7 @@ from lightning_lowmem.litgpt import (
     setup_kv_cache,
     unpatch_litgpt,
 )
-from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, format_bytes
+from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, Timeline, format_bytes, save_timeline
 from lightning_lowmem.meta import init_empty
 from lightning_lowmem.placement import (
     CacheBytes,
@@ -106,6 +106,7 @@ __all__ = [
     "MetaTensorError",
     "Offload",
     "PlacementPlan",
+    "Timeline",
     "UnsafeCheckpointError",
     "UnsupportedQuantizationError",
     "assume_bf16_support",
@@ -120,6 +121,7 @@ __all__ = [
     "load_checkpoint",
     "patch_litgpt",
     "placement_plan",
+    "save_timeline",
     "sequential_offload",
     "setup_kv_cache",
     "supports_bf16",

@@ -1,15 +1,94 @@
-"""Memory accounting and the heap: a quantized model's first forward gives its temporaries back (fresh processes).
+"""Memory accounting: the monitor's timeline, and the heap a quantized model's first forward gives back.
 
-bitsandbytes repacks 4-bit weights for its CPU kernel; int8 layers dequantize or convert theirs. The loader
-hooks :func:`lightning_lowmem.memory.heap.trim_after_first_forward` on each quantized layer.
+The timeline follows a 100 MiB allocation, keeps its marks in order, and stays under its cap with the
+peak kept. bitsandbytes repacks 4-bit weights for its CPU kernel; int8 layers dequantize or convert
+theirs; the loader hooks :func:`lightning_lowmem.memory.heap.trim_after_first_forward` on each quantized
+layer, and the heap they free goes back to the OS (fresh processes).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+
+from lightning_lowmem.memory import MemoryMonitor, Sample, Timeline
+
+MIB = 2**20
+
+
+def test_a_monitor_keeps_no_timeline_unless_asked():
+    with MemoryMonitor() as mon:
+        pass
+    assert mon.usage.timeline is None
+    with pytest.raises(RuntimeError, match="timeline=True"):
+        with MemoryMonitor() as mon:
+            mon.mark("nothing to put it on")
+
+
+def test_the_timeline_follows_a_100_mib_allocation():
+    with MemoryMonitor(timeline=True, interval=0.002) as mon:
+        time.sleep(0.03)
+        x = torch.ones(100 * MIB // 4)  # 100 MiB, every page written
+        time.sleep(0.06)
+        del x  # a block this large is an mmap of its own: freeing it gives it back
+        time.sleep(0.06)
+    timeline = mon.usage.timeline
+    seconds = [p.seconds for p in timeline.points]
+    assert len(seconds) >= 20
+    assert seconds == sorted(seconds) and 0 <= seconds[0] and seconds[-1] <= mon.usage.seconds + 0.05
+    held = [(p.anon - timeline.start.anon) / MIB for p in timeline.points]
+    assert 95 <= max(held) <= 130, held  # the tensor, plus what the interpreter moved meanwhile
+    assert held[0] < 20 and held[-1] < 20
+    assert max(p.anon for p in timeline.points) <= mon.usage.anon_peak
+    assert all(p.file > 0 for p in timeline.points) or sys.platform != "linux"  # torch's libraries at least
+    assert all((p.device is None) == (mon.device is None) for p in timeline.points)
+
+
+def test_marks_are_kept_in_order_within_the_block():
+    with MemoryMonitor(timeline=True) as mon:
+        mon.mark("first")
+        time.sleep(0.02)
+        mon.mark("second")
+    marks = mon.usage.timeline.marks
+    assert [m.label for m in marks] == ["first", "second"]
+    assert 0 <= marks[0].seconds < marks[1].seconds <= mon.usage.seconds
+    with pytest.raises(RuntimeError, match="inside"):
+        mon.mark("after the block")
+
+
+def test_the_cap_holds_and_keeps_the_peak_and_the_whole_span():
+    timeline = Timeline(start=Sample(0.0, 100, 10), max_points=16)
+    for i in range(1000):
+        timeline.add(Sample(i / 1000, 100 + (500 if i == 537 else i % 7), 10))
+        assert len(timeline.points) <= 16
+    timeline.flush()
+    seconds = [p.seconds for p in timeline.points]
+    assert 8 <= len(seconds) <= 16 and seconds == sorted(seconds)
+    assert seconds[0] < 0.1 and seconds[-1] > 0.9  # points spread over the whole block, not its start only
+    assert max(p.anon for p in timeline.points) == 600
+
+    with MemoryMonitor(timeline=True, interval=0.001, max_points=8) as mon:
+        time.sleep(0.1)
+    assert 2 <= len(mon.usage.timeline.points) <= 8
+    with pytest.raises(ValueError, match="at least 2"):
+        Timeline(max_points=1)
+
+
+def test_a_timeline_travels_as_json():
+    with MemoryMonitor(timeline=True) as mon:
+        mon.mark("model built")
+    timeline = mon.usage.timeline
+    assert Timeline.from_dict(json.loads(json.dumps(timeline.to_dict()))) == timeline
+    broken = timeline.to_dict() | {"anon": []}
+    with pytest.raises(ValueError, match="columns"):
+        Timeline.from_dict(broken)
+    with pytest.raises(ValueError, match="to_dict"):
+        Timeline.from_dict({"seconds": []})
 
 FIRST_FORWARD = """
 import json, sys, torch, litgpt, psutil
