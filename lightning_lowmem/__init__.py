@@ -11,6 +11,7 @@ The package follows the data flow; each folder imports only those above it in th
     lightning/   the Lightning faces: Fabric strategy, Trainer callback, registration
     litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
     transformers/  the transformers face: a PreTrainedModel's buffers rebuilt after a load, as from_pretrained does
+    cli/         the command line: lightning-lowmem estimate | inspect | generate | chat (python -m lightning_lowmem)
 
 Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
 are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy

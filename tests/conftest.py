@@ -378,6 +378,25 @@ def write_hf_dir(tiny_config):
 
 
 @pytest.fixture(scope="session")
+def pythia_14m_hf_dir(tmp_path_factory):
+    """A GPT-NeoX of pythia-14m's shapes (random weights from N(0, 0.3)) saved by transformers' ``save_pretrained``
+    under a name litgpt does not know, with no ``model_config.yaml``: ``(directory, the transformers model)``."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=50304, hidden_size=128, num_hidden_layers=6, num_attention_heads=4, intermediate_size=512,
+        rotary_pct=0.25, max_position_embeddings=2048, use_parallel_residual=True, tie_word_embeddings=False,
+        hidden_act="gelu", layer_norm_eps=1e-5)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    directory = tmp_path_factory.mktemp("hf") / "my-finetune"
+    hf.save_pretrained(directory)
+    return directory, hf
+
+
+@pytest.fixture(scope="session")
 def litgpt_converted():
     """``litgpt_converted(directory, config, destination)``: a copy of HF ``directory`` converted by litgpt's own
     ``convert_hf_checkpoint`` (``lit_model.pth``); returns ``destination``."""
@@ -410,6 +429,49 @@ def litgpt_cli_tokens():
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             main(directory, prompt=prompt, max_new_tokens=max_new_tokens, top_k=1, precision=precision)
         return [int(t) for t in re.findall(r"\bt(\d+)\b", out.getvalue().strip().splitlines()[-1])]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def litgpt_cli_stdout():
+    """``litgpt_cli_stdout(command, directory, stdin="", **kwargs)``: what litgpt's own ``litgpt generate`` or
+    ``litgpt chat`` (``command``: ``"generate"`` or ``"chat"``) prints to stdout, run in-process with ``kwargs`` as its
+    flags and ``stdin`` as the user's input."""
+    def run(command: str, directory: Path, stdin: str = "", **kwargs) -> str:
+        from litgpt.chat.base import main as chat
+        from litgpt.generate.base import main as generate
+
+        out, real_stdin = io.StringIO(), sys.stdin
+        sys.stdin = io.StringIO(stdin)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                {"generate": generate, "chat": chat}[command](directory, **kwargs)
+        finally:
+            sys.stdin = real_stdin
+        return out.getvalue()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, tiny_config, write_litgpt_dir) -> Path:
+    """A tiny litgpt directory (the pythia-like ``tiny_config``, bf16, word-level tokenizer) with a chat prompt style:
+    litgpt's Alpaca, written by litgpt's ``save_prompt_style``."""
+    from litgpt.prompts import save_prompt_style
+
+    directory = write_litgpt_dir(tmp_path_factory.mktemp("chat") / "tiny-chat", tiny_config(), torch.bfloat16)
+    save_prompt_style("alpaca", directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def run_cli(child_env):
+    """``run_cli(*args, stdin=None)``: ``python -m lightning_lowmem *args`` in a fresh process from the repository
+    root, this checkout first on the path; returns the ``CompletedProcess`` (text stdout and stderr)."""
+    def run(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lightning_lowmem", *map(str, args)], input=stdin,
+                              capture_output=True, text=True, env=child_env, cwd=ROOT, timeout=timeout)
 
     return run
 

@@ -27,7 +27,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -82,6 +84,22 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         return max(self.load_peak, self.generate_peak)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every number of the estimate, in bytes, with the totals and the placement plan (or None), for JSON.
+
+        Example::
+
+            >>> est = MemoryEstimate("m", None, torch.bfloat16, 1, 8, 8, weights=100, kv_cache=20, runtime=5)
+            >>> d = est.to_dict()
+            >>> d["dtype"], d["caches"], d["generate_peak"], d["peak"], d["placement"]
+            ('bfloat16', 20, 125, 125, None)
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "placement"}
+        out |= {"dtype": str(self.dtype).removeprefix("torch."), "notes": list(self.notes), "caches": self.caches,
+                "load_peak": self.load_peak, "generate_peak": self.generate_peak, "peak": self.peak}
+        out["placement"] = self.placement.to_dict() if self.placement is not None else None
+        return out
 
     def rows(self) -> list[tuple[str, int]]:
         """``(label, bytes)`` for each line of the table."""

@@ -7,9 +7,10 @@ Two layouts are read:
   ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
   litgpt's own conversion (:mod:`lightning_lowmem.litgpt.hf`) as it streams in;
   an output head that the checkpoint does not hold is tied to the embedding.
-  The litgpt config comes from
-  ``model_config.yaml`` when present, else from the directory's name, as
-  ``litgpt convert_to_litgpt`` does.
+
+The litgpt config comes from ``model_config.yaml`` when present, else from the
+directory's name, as ``litgpt convert_to_litgpt`` does, else from the directory's
+HF ``config.json`` (:mod:`lightning_lowmem.litgpt.hf_config`).
 
 The model is built on the meta device, RoPE tables included, so nothing the
 size of the whole context is allocated, then streamed in (and quantized) by the
@@ -19,6 +20,7 @@ strategy's ``fabric.load_raw``: caches are sized per request by
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +30,15 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport
-from lightning_lowmem.errors import CheckpointNotFoundError, format_names
+from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
+from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.meta import init_empty
 
 _HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
              "pytorch_model.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 @dataclass
@@ -52,10 +56,12 @@ class LitgptCheckpoint:
 
         Raises:
             CheckpointNotFoundError: no ``lit_model.pth`` and no HF weights in the directory.
-            ValueError: no config given, no ``model_config.yaml``, and the directory's name is no litgpt model name.
+            ValueError: no config given, and neither ``model_config.yaml``, the directory's name nor its
+                ``config.json`` gives one (see :func:`find_config`).
         """
         directory = Path(checkpoint_dir)
-        return cls(directory=directory, weights=_weights_file(directory), config=config or _config(directory),
+        weights = _weights_file(directory)
+        return cls(directory=directory, weights=weights, config=config or find_config(directory)[0],
                    tokenizer=_tokenizer(directory))
 
 
@@ -119,23 +125,54 @@ def _weights_file(directory: Path) -> Path:
     )
 
 
-def _config(directory: Path) -> Any:
+def find_config(directory: Path) -> tuple[Any, str]:
+    """The litgpt ``Config`` of a checkpoint directory, and where it came from: ``model_config.yaml``, else the
+    directory's name (a litgpt model name), else the HF ``config.json`` (its ``_name_or_path``, then its shapes).
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` is not a directory.
+        ValueError: none of these gives a config; the message lists what was tried.
+        CheckpointFormatError: ``config.json`` is not a JSON object.
+    """
     from litgpt import Config
 
+    if not directory.is_dir():
+        raise CheckpointNotFoundError(f"Checkpoint directory {str(directory)!r} does not exist (or is a file). "
+                                      "Check the path.")
     if (directory / "model_config.yaml").is_file():
-        return Config.from_file(directory / "model_config.yaml")
+        return Config.from_file(directory / "model_config.yaml"), "model_config.yaml"
+    with contextlib.suppress(ValueError):
+        return Config.from_name(directory.name), f"the directory's name {directory.name!r}"
+    tried = f"no model_config.yaml in {str(directory)!r}, and its name {directory.name!r} is no litgpt model name"
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}, and there is no config.json. Pass "
+                         "config=litgpt.Config.from_name('<model name>') (--config NAME), or name the directory after "
+                         "the model (e.g. checkpoints/EleutherAI/pythia-1b).")
     try:
-        return Config.from_name(directory.name)
+        return config_from_hf_json(directory / "config.json")
     except ValueError as e:
-        raise ValueError(
-            f"No model_config.yaml in {str(directory)!r} and its name {directory.name!r} is no litgpt model name. "
-            "Pass config=litgpt.Config.from_name('<model name>'), or name the directory after the model "
-            "(e.g. checkpoints/EleutherAI/pythia-1b)."
-        ) from e
+        raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}. {e}") from e
+
+
+def config_near(path: Path) -> Any | None:
+    """The litgpt config of the checkpoint at ``path`` (a file: its directory's) by :func:`find_config`, or None
+    when nothing there gives one."""
+    directory = path if path.is_dir() else path.parent
+    if not directory.is_dir():
+        return None
+    try:
+        return find_config(directory)[0]
+    except (ValueError, CheckpointFormatError):
+        return None
+
+
+def has_tokenizer(directory: Path) -> bool:
+    """Whether ``directory`` holds a tokenizer litgpt reads (``tokenizer.json`` or ``tokenizer.model``)."""
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _tokenizer(directory: Path) -> Any | None:
-    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer(directory):
         return None
     from litgpt.tokenizer import Tokenizer
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from lightning_lowmem.engine import CPU_RUNTIME, LoadOptions, MemoryEstimate, estimate_prepared, prepare_load
+from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint, TensorRecord
-from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
+from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
@@ -43,9 +44,11 @@ def estimate_memory(
     """Estimate the memory of loading ``source`` and generating from it, reading headers only.
 
     Args:
-        source: a checkpoint (file or directory, as :func:`~lightning_lowmem.load_checkpoint` takes) or a litgpt
-            ``Config``. For a checkpoint, the litgpt config is ``config`` or the directory's ``model_config.yaml``;
-            without one, Linear weights are guessed from key names and caches are not estimated.
+        source: a checkpoint (file or directory, as :func:`~lightning_lowmem.load_checkpoint` takes), a litgpt
+            ``Config``, or a litgpt model name (``"pythia-1b"``; a string that is no existing path). For a
+            checkpoint, the litgpt config is ``config``, else the directory's ``model_config.yaml``, its name or
+            its HF ``config.json``; without one, Linear weights are guessed from key names and caches are not
+            estimated.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         quantize / skip_quantize / key_map / max_memory: as :func:`~lightning_lowmem.load_checkpoint`.
             With ``max_memory`` (needs a litgpt config) the estimate carries the placement plan the load
@@ -57,12 +60,17 @@ def estimate_memory(
         config: a litgpt ``Config`` for a checkpoint without ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
 
+    Raises:
+        CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
+
     Example::
 
         >>> from litgpt import Config
         >>> est = estimate_memory(Config.from_name("pythia-1b"), quantize="bnb.nf4", max_seq_length=114)
         >>> est.kv_cache / 2**20, round(est.weights / 2**30, 2)
         (14.25, 0.81)
+        >>> estimate_memory("pythia-1b", quantize="bnb.nf4", max_seq_length=114).weights == est.weights
+        True
     """
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
@@ -95,12 +103,13 @@ def estimate_memory(
 def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype
                        ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str]:
     """The meta-built litgpt model (None without a config), the records to plan from, a name, the files."""
+    source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
         records = {n: TensorRecord(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
         return model, records, source.name, f"the config {source.name!r}"
-    config = config or _config_near(Path(source))
+    config = config or config_near(Path(source))
     with Checkpoint.open(source) as ckpt:
         records, files = dict(ckpt.records), ckpt.description
     model = build_meta_gpt(config) if config is not None else None
@@ -143,13 +152,19 @@ def _module_at(root: nn.Module, path: str, linears: set[str], records: dict[str,
     return module
 
 
-def _config_near(path: Path) -> Any | None:
-    directory = path if path.is_dir() else path.parent
-    if not (directory / "model_config.yaml").is_file():
-        return None
+def _named_config(source: Any) -> Any:
+    """``source``, or the litgpt config it names when it is a string that is no existing path."""
+    if not isinstance(source, str) or Path(source).expanduser().exists():
+        return source
     from litgpt import Config
 
-    return Config.from_file(directory / "model_config.yaml")
+    try:
+        return Config.from_name(source)
+    except ValueError as e:
+        raise CheckpointNotFoundError(
+            f"{source!r} is neither an existing checkpoint path nor a litgpt model name (litgpt.Config.from_name "
+            "does not know it). Check the path, or pass a name such as 'pythia-1b' or 'Llama-3.2-1B'."
+        ) from e
 
 
 def _is_config(source: Any) -> bool:

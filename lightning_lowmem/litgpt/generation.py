@@ -23,7 +23,7 @@ from lightning_lowmem.devices import cuda_or_none
 from lightning_lowmem.dtypes import precision_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
-from lightning_lowmem.litgpt.kv_cache import cache_bytes, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
 
@@ -158,9 +158,10 @@ def generate(
 
     Args:
         checkpoint: a litgpt checkpoint directory (``lit_model.pth`` + ``model_config.yaml``), an HF-format
-            directory (``model.safetensors``; litgpt config from ``model_config.yaml`` or the directory's
-            name), or an already loaded litgpt ``GPT``.
-        prompt: text (needs a tokenizer in the directory), or token ids (list, tensor, or ``'1 2 3'``).
+            directory (``model.safetensors``; litgpt config from ``model_config.yaml``, the directory's
+            name or its ``config.json``), or an already loaded litgpt ``GPT``.
+        prompt: text (needs a tokenizer in the directory), or token ids (list, tensor, or ``'1 2 3'``). It is
+            encoded, and prompt + ``max_new_tokens`` checked against the block size, before any weight is read.
         options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
             ``precision`` override its fields.
         max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
@@ -193,13 +194,16 @@ def generate(
     options = generation_options(options, precision, quantize=quantize, device=device)
     found = None if isinstance(checkpoint, nn.Module) else LitgptCheckpoint.find(checkpoint, config)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
+    ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
+    if found is not None:
+        check_length(ids.numel() + max_new_tokens, found.config.block_size)
     with MemoryMonitor(device=cuda_or_none(options.device)) as monitor:
         report = None
         if found is None:
             model = unwrap_model(checkpoint)
         else:
             model, report = load_litgpt(found, options)
-        ids = encode_prompt(prompt, tokenizer, next(model.parameters()).device)
+        ids = ids.to(next(model.parameters()).device)
         result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
         _run_samples(model, ids, result, tokenizer, max_new_tokens, num_samples, seed,
                      dict(temperature=temperature, top_k=top_k, top_p=top_p))

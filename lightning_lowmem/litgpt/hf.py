@@ -184,6 +184,11 @@ def _run(copy: Copy, state: dict[str, torch.Tensor], inputs: _Inputs, config: An
             f"litgpt's conversion for {config.name!r} ({config.mlp_class_name}, {copy.__name__}) does not handle "
             f"this checkpoint: {type(e).__name__}: {e}. " + _CONVERT_FIRST
         ) from e
+    except RuntimeError as e:  # torch's size checks on the meta tensors: the config is not the checkpoint's
+        raise CheckpointMismatchError(
+            f"litgpt's conversion for {config.name!r} ({copy.__name__}) fails on this checkpoint's shapes "
+            f"({e}). The checkpoint is of another model configuration: pass its litgpt config (config=...)."
+        ) from e
 
 
 class _Inputs(dict):

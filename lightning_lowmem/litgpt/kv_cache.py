@@ -35,6 +35,7 @@ def setup_kv_cache(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    rope_dtype: torch.dtype | None = None,
 ) -> int:
     """Size the k/v caches, the mask and the RoPE tables of ``model`` to ``max_seq_length`` positions.
 
@@ -50,6 +51,7 @@ def setup_kv_cache(
         device: where the caches go; default: where the model's parameters are.
         dtype: k/v and RoPE dtype; default: the model's floating-point dtype
             (never fp32 unless the model is fp32).
+        rope_dtype: the RoPE tables' dtype when it is not ``dtype`` (litgpt's chat computes them in fp32).
 
     Returns:
         The bytes this call allocated for caches (0 when the existing ones were reused).
@@ -80,7 +82,7 @@ def setup_kv_cache(
                 cache.v.zero_()
             return 0
         model.clear_kv_cache()  # free the old caches before allocating the new ones
-        resize_rope(model, max_seq_length, device, dtype)
+        resize_rope(model, max_seq_length, device, rope_dtype or dtype)
         _build_mask(model, max_seq_length, device)
         kept = _storages(model)
         _raw_set_kv_cache(model)(model, batch_size, max_seq_length=max_seq_length, device=device, dtype=dtype)
@@ -145,7 +147,11 @@ def _check_request(model: nn.Module, batch_size: int, max_seq_length: int) -> No
         )
     if batch_size < 1 or max_seq_length < 1:
         raise ValueError(f"batch_size and max_seq_length must be >= 1, got {batch_size} and {max_seq_length}.")
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    check_length(max_seq_length, getattr(getattr(model, "config", None), "block_size", None))
+
+
+def check_length(max_seq_length: int, block_size: int | None) -> None:
+    """Raise ``ValueError`` when ``max_seq_length`` positions (prompt + max_new_tokens) are past ``block_size``."""
     if block_size is not None and max_seq_length > block_size:
         raise ValueError(
             f"Cannot size the KV cache to {max_seq_length} positions: the model's block size (context length) "

@@ -124,7 +124,12 @@ def _set_kv_cache(original: Any) -> Any:
                      dtype: torch.dtype | None = None) -> None:
         if rope_cache_length is not None and rope_cache_length != self.rope_cache_length():
             return original(self, batch_size, max_seq_length, rope_cache_length, device, dtype)
-        setup_kv_cache(self, batch_size, max_seq_length or self.max_seq_length, device=device, dtype=dtype)
+        # litgpt's set_kv_cache leaves the RoPE tables as litgpt made them; sized here, they keep that dtype
+        # (fp32 after litgpt's max_seq_length setter, which `litgpt chat` calls first), so the numbers are litgpt's
+        rope = getattr(self, "cos", None)
+        rope_dtype = rope.dtype if isinstance(rope, torch.Tensor) and rope.is_floating_point() else None
+        setup_kv_cache(self, batch_size, max_seq_length or self.max_seq_length, device=device, dtype=dtype,
+                       rope_dtype=rope_dtype)
     return _mark(set_kv_cache, original)
 
 

@@ -20,6 +20,7 @@ device names need not exist on this machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,6 +97,23 @@ class PlacementPlan:
         """Weights plus reserved bytes on each device: never above its budget."""
         weights, reserved = self.weights_per_device(), self.reserved_per_device()
         return {device: weights[device] + reserved[device] for device in self.budgets}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan's numbers, for JSON: budgets, weights, reserved and used bytes per device, and each layer.
+
+        Example::
+
+            >>> plan = PlacementPlan([Layer("h.0", ["h.0"], nbytes=10, device="cpu")], {"cpu": 100}, "cpu", None)
+            >>> plan.to_dict()["used"], plan.to_dict()["layers"]
+            ({'cpu': 10}, [{'name': 'h.0', 'bytes': 10, 'device': 'cpu'}])
+        """
+        return {"execution_device": self.execution_device, "offload_device": self.offload_device,
+                "budgets": dict(self.budgets), "weights": self.weights_per_device(),
+                "reserved": self.reserved_per_device(), "used": self.used_per_device(),
+                "cache_bytes": self.cache_bytes, "activation_bytes": self.activation_bytes,
+                "stream_bytes": self.stream_bytes, "stream_buffers": self.stream_buffers, "context": self.context,
+                "batch_size": self.batch_size, "quantize": self.quantize,
+                "layers": [{"name": layer.name, "bytes": layer.nbytes, "device": layer.device} for layer in self.layers]}
 
     def device_of(self, tensor_name: str) -> torch.device:
         """The device the plan gives the tensor ``tensor_name`` (any of its tied names)."""

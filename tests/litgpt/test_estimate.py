@@ -138,3 +138,26 @@ def test_estimate_carries_the_placement_plan():
     assert "cuda:0" in str(est) and "cpu" in str(est)
     with pytest.raises(MemoryBudgetError):
         estimate_memory(config, max_memory={"cuda:0": "1MiB", "cpu": "4GiB"}, max_seq_length=128)
+
+
+def test_a_litgpt_model_name_is_its_config_and_anything_else_is_not_found():
+    from litgpt import Config
+
+    from lightning_lowmem import CheckpointNotFoundError
+
+    by_name = estimate_memory("pythia-160m", quantize="bnb.nf4", max_seq_length=256)
+    assert by_name.to_dict() == estimate_memory(Config.from_name("pythia-160m"), quantize="bnb.nf4",
+                                                max_seq_length=256).to_dict()
+    with pytest.raises(CheckpointNotFoundError, match="'pythia-160mm' is neither an existing checkpoint path nor a "
+                                                      "litgpt model name"):
+        estimate_memory("pythia-160mm")
+
+
+def test_an_hf_directory_of_any_name_is_estimated_with_its_litgpt_config(pythia_14m_hf_dir):
+    """No model_config.yaml, a name litgpt does not know: the litgpt config comes from config.json's shapes."""
+    directory, _ = pythia_14m_hf_dir
+    est = estimate_memory(directory, max_seq_length=64)
+    by_name = estimate_memory("pythia-14m", max_seq_length=64)
+    assert est.model == "pythia-14m" and est.notes == []
+    assert (est.weights, est.kv_cache, est.mask, est.rope) == (by_name.weights, by_name.kv_cache, by_name.mask,
+                                                               by_name.rope)

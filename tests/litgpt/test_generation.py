@@ -144,3 +144,13 @@ def test_cuda_caches_on_the_device_and_device_peak(tmp_path, tiny_config, write_
     assert result.tokens[0].device.type == "cuda"
     assert result.memory.kv_cache == estimate_memory(directory, quantize=quantize, max_seq_length=14).kv_cache
     assert result.memory.device_peak is not None and result.memory.device_peak > result.memory.weights
+
+
+def test_a_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir,
+                                                                 read_recorder):
+    directory = write_litgpt_dir(tmp_path / "ids", tiny_config("pythia"), tokenizer=False)
+    with pytest.raises(ValueError, match="No tokenizer in the checkpoint directory"):
+        generate(directory, "What do llamas eat?", max_new_tokens=4)
+    with pytest.raises(ValueError, match="block size"):
+        generate(directory, "1 2 3", max_new_tokens=62)
+    assert read_recorder.keys == []

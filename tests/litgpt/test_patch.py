@@ -125,3 +125,19 @@ def test_litgpt_generate_cli_path_under_the_patch(checkpoint_dir, litgpt_cli_tok
     assert len(expected) == 5 + 6
     with patch_litgpt():
         assert litgpt_cli_tokens(checkpoint_dir, PROMPT, "bf16-true", 6) == expected
+
+
+def test_set_kv_cache_keeps_the_rope_dtype_litgpt_gave_it(tiny_config, tiny_gpt, litgpt_cli_stdout, chat_model_dir):
+    """litgpt's chat sets max_seq_length (RoPE in fp32), then set_kv_cache: k/v in bf16, RoPE kept in fp32, so the
+    replies are litgpt chat's, reply for reply (a bf16 RoPE changes a token of the second one here)."""
+    model = tiny_gpt(tiny_config("gqa"), torch.bfloat16, std=0.3)
+    with patch_litgpt():
+        model.max_seq_length = 20  # litgpt's setter: rope_cache() in fp32
+        model.set_kv_cache(batch_size=1)
+    held = cache_bytes(model)
+    assert (held.dtype, held.length, model.cos.dtype, model.cos.shape[0]) == (torch.bfloat16, 20, torch.float32, 20)
+
+    turns = "t5 t17 t3\nt1 t2 t3 t4 t5 t6 t7 t8 t9\nt42\n\n"
+    expected = litgpt_cli_stdout("chat", chat_model_dir, stdin=turns, max_new_tokens=12, top_k=1)
+    with patch_litgpt():
+        assert litgpt_cli_stdout("chat", chat_model_dir, stdin=turns, max_new_tokens=12, top_k=1) == expected

@@ -1,0 +1,110 @@
+"""``lightning-lowmem chat``: ``litgpt chat``'s own loop, with the model loaded by lightning_lowmem.
+
+The conversation is litgpt 0.5.13's (``litgpt.chat.base.interact`` and
+``process_prompt``, its prompt style lookup and ``prompt_style.stop_tokens``);
+only the load differs: the model is streamed in (quantized on load, on CPU too),
+and :func:`~lightning_lowmem.litgpt.patch.patch_litgpt` makes litgpt's
+``set_kv_cache`` size the caches to each request, in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.options import (
+    add_checkpoint,
+    add_load,
+    add_sampling,
+    add_subcommand,
+    config_argument,
+    default_device,
+)
+
+SEED = 1234  # litgpt chat's L.seed_everything(1234)
+
+EPILOG = """example:
+  lightning-lowmem chat checkpoints/meta-llama/Llama-3.2-1B-Instruct --quantize bnb.nf4
+  printf 'What do llamas eat?\\n\\n' | lightning-lowmem chat my-model --top_k 1   # scripted
+
+""" + EXIT_CODES
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_subcommand(
+        subparsers, "chat", summary="chat with a model, as litgpt chat does, with the model streamed in",
+        description="Chat with a model, as `litgpt chat` does (its own loop and prompt styles, the same flags), "
+                    "with the model streamed in and quantized as it loads, and the KV caches sized to each "
+                    "request. An empty prompt ends the chat (with --multiline: '!submit' ends a prompt, "
+                    "'!quit' the chat). Needs a tokenizer in the directory.",
+        epilog=EPILOG)
+    add_checkpoint(parser, "the checkpoint directory")
+    add_sampling(parser)
+    add_load(parser)
+    parser.add_argument("--multiline", action="store_true", help="prompts of several lines, ended by '!submit'")
+    parser.set_defaults(run=run, parser=parser)
+
+
+@dataclass
+class Console:
+    """What litgpt's chat loop asks of its ``Fabric``: the device, and ``print`` (one process: always printed)."""
+
+    device: Any
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        builtins.print(*args, **kwargs)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, then run litgpt's chat loop until an empty prompt or end of input."""
+    import torch
+    from litgpt.chat.base import interact
+
+    from lightning_lowmem.litgpt.patch import patch_litgpt
+
+    directory = Path(args.checkpoint)
+    model, tokenizer, config, report = _load(directory, args)
+    print(report, file=sys.stderr)
+    prompt_style = _prompt_style(directory, config)
+    exit_instruction = ("To exit, enter '!quit' or '!exit' on an empty prompt and press 'Enter'." if args.multiline
+                        else "To exit, press 'Enter' on an empty prompt.")
+    print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
+    _seed()
+    with patch_litgpt(), torch.inference_mode():
+        interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
+                 fabric=Console(next(model.parameters()).device), temperature=args.temperature,
+                 max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
+                 stop_tokens=prompt_style.stop_tokens(tokenizer))
+    return EXIT_OK
+
+
+def _load(directory: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """``(model, tokenizer, config, load report)``; no tokenizer is an error before any weight is read."""
+    from lightning_lowmem.errors import CheckpointNotFoundError
+    from lightning_lowmem.litgpt.checkpoint_dir import find_config, has_tokenizer
+    from lightning_lowmem.litgpt.generation import load_for_generation
+
+    config = config_argument(args.config) or find_config(directory)[0]
+    if not has_tokenizer(directory):
+        raise CheckpointNotFoundError(f"No tokenizer in {str(directory)!r}: chat needs tokenizer.json or "
+                                      "tokenizer.model there. Copy the model's tokenizer files into the directory.")
+    model, tokenizer, report = load_for_generation(directory, quantize=args.quantize, precision=args.precision,
+                                                   device=default_device(args.device), config=config)
+    return model, tokenizer, config, report
+
+
+def _prompt_style(directory: Path, config: Any) -> Any:
+    from lightning_lowmem.cli.prompts import prompt_style_for
+
+    return prompt_style_for(directory, config)
+
+
+def _seed() -> None:
+    import lightning as L
+
+    L.seed_everything(SEED, verbose=False)

@@ -1,0 +1,77 @@
+"""The top-level parser: one subcommand per module, run, and errors turned into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_lowmem.cli import chat, estimate, generate, inspect_checkpoint
+from lightning_lowmem.cli.exits import EXIT_ARGUMENT, EXIT_CODES, exit_code, print_error
+from lightning_lowmem.cli.options import resolve_checkpoint
+
+SUBCOMMANDS = (estimate, generate, chat, inspect_checkpoint)
+
+EPILOG = """examples:
+  lightning-lowmem estimate pythia-1b --quantize bnb.nf4 --max_seq_length 2048
+  lightning-lowmem inspect checkpoints/EleutherAI/pythia-1b
+  lightning-lowmem generate checkpoints/EleutherAI/pythia-1b --prompt "What do llamas eat?" --quantize bnb.nf4
+  lightning-lowmem chat checkpoints/meta-llama/Llama-3.2-1B-Instruct --quantize bnb.nf4
+
+`lightning-lowmem SUBCOMMAND --help` tells more. The same runs as `python -m lightning_lowmem`.
+""" + EXIT_CODES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``lightning-lowmem`` and its subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-lowmem",
+        description="Load, quantize and run litgpt models in the memory of the final model. The flags of generate "
+                    "and chat are litgpt's.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    subparsers = parser.add_subparsers(title="subcommands", metavar="SUBCOMMAND")
+    for module in SUBCOMMANDS:
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``lightning-lowmem`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+
+    Example::
+
+        >>> main(["estimate", "pythia-14m", "--max_seq_length", "64", "--json"])  # doctest: +ELLIPSIS
+        {
+          "model": "pythia-14m",
+        ...
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a flag argparse refused (it printed why)
+        return e.code if isinstance(e.code, int) else EXIT_ARGUMENT
+    if not hasattr(args, "run"):
+        parser.print_help(sys.stderr)
+        return EXIT_ARGUMENT
+    try:
+        if hasattr(args, "checkpoint_flag"):  # a subcommand taking CHECKPOINT or --checkpoint_dir
+            resolve_checkpoint(args, args.parser)
+        return args.run(args)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_ARGUMENT
+    except Exception as e:  # noqa: BLE001  (each known error is one line and an exit code; others are bugs)
+        code = exit_code(e)
+        if code is None:
+            raise
+        print_error(e)
+        return code
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lightning-lowmem")
+    except PackageNotFoundError:
+        return "unknown"

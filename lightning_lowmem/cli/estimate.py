@@ -1,0 +1,54 @@
+"""``lightning-lowmem estimate``: the memory a load and a generation will need, read from headers or a config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.options import add_config, add_subcommand, max_memory, positive_int
+from lightning_lowmem.dtypes import precision_dtype
+from lightning_lowmem.quantize import SCHEMES
+
+EPILOG = """example:
+  lightning-lowmem estimate checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --max_seq_length 114
+  lightning-lowmem estimate pythia-1b --max_memory cuda:0=600MiB,cpu=8GiB --max_seq_length 2048 --json
+
+""" + EXIT_CODES
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_subcommand(
+        subparsers, "estimate", summary="the memory a load and a generation will need, without reading a weight",
+        description="Print the memory a load and a generation will need: weights (quantized where the load "
+                    "quantizes), KV cache, mask, RoPE, activations, and the peaks. Reads the checkpoint's headers "
+                    "only, or nothing at all for a litgpt model name.",
+        epilog=EPILOG)
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_OR_LITGPT_NAME",
+                        help="a checkpoint file or directory, or a litgpt model name (pythia-1b)")
+    parser.add_argument("--quantize", default=None, metavar="SCHEME", help=f"one of {', '.join(SCHEMES)}")
+    parser.add_argument("--precision", default="bf16-true",
+                        help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
+    parser.add_argument("--max_seq_length", type=positive_int, default=None,
+                        help="positions held: prompt + max_new_tokens (default: the model's block size)")
+    parser.add_argument("--prompt_length", type=positive_int, default=None,
+                        help="tokens in the prompt, for the prefill's activations (default: max_seq_length)")
+    parser.add_argument("--batch_size", type=positive_int, default=None, help="sequences at once (default 1)")
+    parser.add_argument("--max_memory", type=max_memory, default=None, metavar="DEVICE=SIZE,...",
+                        help="device budgets, e.g. cuda:0=6GiB,cpu=20GiB: adds the placement of each layer")
+    add_config(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON object of every number, in bytes")
+    parser.set_defaults(run=run, parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Estimate and print (a table, or JSON with ``--json``)."""
+    from lightning_lowmem.cli.options import config_argument
+    from lightning_lowmem.litgpt.estimate import estimate_memory
+
+    est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=precision_dtype(args.precision),
+                          batch_size=args.batch_size, max_seq_length=args.max_seq_length,
+                          prompt_length=args.prompt_length, max_memory=args.max_memory,
+                          config=config_argument(args.config))
+    print(json.dumps(est.to_dict(), indent=2) if args.json else est)
+    return EXIT_OK

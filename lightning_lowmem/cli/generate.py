@@ -1,0 +1,79 @@
+"""``lightning-lowmem generate``: what ``litgpt generate`` does, with the model loaded by lightning_lowmem.
+
+As litgpt 0.5.13's ``litgpt/generate/base.py:main``: the directory's prompt style
+(``prompt_style.yaml``, else the one litgpt picks from the config's name) is applied to
+the prompt with ``--sys_prompt``; the generator is seeded with 1234; generation stops at
+the tokenizer's ``eos_id``; each sample's ``tokenizer.decode`` goes to stdout and the
+timings to stderr. The model is streamed in (quantized on load, on CPU too) and the KV
+caches are sized to prompt + ``--max_new_tokens`` by :func:`lightning_lowmem.litgpt.generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.options import (
+    add_checkpoint,
+    add_load,
+    add_sampling,
+    add_subcommand,
+    config_argument,
+    default_device,
+    positive_int,
+)
+
+SEED = 1234  # litgpt generate's L.seed_everything(1234)
+
+EPILOG = """example:
+  lightning-lowmem generate checkpoints/EleutherAI/pythia-1b --prompt "What do llamas eat?" \\
+      --max_new_tokens 50 --quantize bnb.nf4
+  lightning-lowmem generate my-model --prompt "1 2 3"     # a directory without a tokenizer takes token ids
+
+""" + EXIT_CODES
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_subcommand(
+        subparsers, "generate", summary="generate text, as litgpt generate does, with the model streamed in",
+        description="Generate text after a prompt, as `litgpt generate` does (same flags, same greedy text), with "
+                    "the model streamed in and quantized as it loads, and the KV caches sized to the request. "
+                    "The checkpoint is a litgpt directory (lit_model.pth + model_config.yaml) or an HF one "
+                    "(model.safetensors + config.json).",
+        epilog=EPILOG)
+    add_checkpoint(parser, "the checkpoint directory")
+    parser.add_argument("--prompt", default="What food do llamas eat?",
+                        help="the prompt; token ids ('1 2 3') when the directory has no tokenizer")
+    parser.add_argument("--sys_prompt", default=None, help="the system prompt the prompt style puts in")
+    parser.add_argument("--num_samples", type=positive_int, default=1, help="samples, one after another (default 1)")
+    add_sampling(parser)
+    add_load(parser)
+    parser.set_defaults(run=run, parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, generate ``--num_samples`` samples, print each; timings and memory to stderr."""
+    from lightning_lowmem.litgpt.checkpoint_dir import find_config, has_tokenizer
+    from lightning_lowmem.litgpt.generation import generate
+
+    directory = Path(args.checkpoint)
+    config = config_argument(args.config) or find_config(directory)[0]
+    prompt = args.prompt
+    if has_tokenizer(directory):  # a text prompt: styled as litgpt styles it
+        from lightning_lowmem.cli.prompts import prompt_style_for
+
+        prompt = prompt_style_for(directory, config).apply(prompt, sys_prompt=args.sys_prompt)
+    result = generate(directory, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
+                      num_samples=args.num_samples, device=default_device(args.device), config=config, seed=SEED)
+    if result.load_report is not None:
+        print(result.load_report, file=sys.stderr)
+    for i, tokens in enumerate(result.tokens):
+        print(result.texts[i] if result.texts is not None else " ".join(str(t) for t in tokens.tolist()), flush=True)
+        new, seconds = tokens.numel() - result.prompt_length, result.seconds[i]
+        print(f"Time for inference {i + 1}: {seconds:.02f} sec total, {new / seconds:.02f} tokens/sec",
+              file=sys.stderr)
+    print(f"Memory: {result.memory}", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,146 @@
+"""The flags the subcommands share, spelled as litgpt spells them (``--max_new_tokens``, ``--top_k``), and
+how their values are read.
+
+Reading a value never imports litgpt or Lightning: ``--help`` and a bad flag answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from lightning_lowmem.quantize import SCHEMES
+
+def add_subcommand(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
+                   epilog: str) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``summary`` in the top-level list, ``description`` wrapped, ``epilog`` as written."""
+    return subparsers.add_parser(name, help=summary, description=textwrap.fill(description, width=100),
+                                 epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
+    """The checkpoint as a positional argument, or as ``--checkpoint_dir`` (litgpt's flag)."""
+    parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help=what)
+    parser.add_argument("--checkpoint_dir", dest="checkpoint_flag", metavar="PATH",
+                        help="the same, as a flag (litgpt's spelling)")
+
+
+def resolve_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Put the positional or ``--checkpoint_dir`` value in ``args.checkpoint``; exit 2 when none or two differ."""
+    given = [value for value in (args.checkpoint, args.checkpoint_flag) if value is not None]
+    if not given:
+        parser.error("give the checkpoint: as the first argument, or --checkpoint_dir PATH")
+    if len(set(given)) > 1:
+        parser.error(f"two checkpoints given: {given[0]!r} and --checkpoint_dir {given[1]!r}; give one")
+    args.checkpoint = given[0]
+
+
+def add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="NAME_OR_YAML", default=None,
+                        help="the litgpt config: a model name (pythia-1b) or a model_config.yaml; default: the "
+                             "directory's model_config.yaml, its name, or its HF config.json")
+
+
+def add_load(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
+    """``--quantize``, ``--precision`` (litgpt's), ``--config`` and ``--device``."""
+    parser.add_argument("--quantize", default=None, metavar="SCHEME",
+                        help=f"quantize each Linear as it is loaded: {', '.join(SCHEMES)}")
+    parser.add_argument("--precision", default=None, metavar="PRECISION",
+                        help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
+    add_config(parser)
+    if device:
+        parser.add_argument("--device", default=None,
+                            help="where the model runs: cpu, cuda, cuda:1; default: cuda when there is one, "
+                                 "else cpu (as litgpt)")
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    """litgpt's sampling flags, with its defaults."""
+    parser.add_argument("--max_new_tokens", type=positive_int, default=50, help="tokens to generate (default 50)")
+    parser.add_argument("--top_k", type=optional_int, default=50,
+                        help="sample among the k most probable tokens (default 50; 'none' for all); 1 is greedy")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="higher is more random (default 0.8); 0 is greedy")
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1.
+
+    Example::
+
+        >>> positive_int("4")
+        4
+    """
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
+
+
+def optional_int(text: str) -> int | None:
+    """An int, or None for ``none``.
+
+    Example::
+
+        >>> optional_int("none"), optional_int("1")
+        (None, 1)
+    """
+    return None if text.lower() == "none" else _int(text)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+
+
+def max_memory(text: str) -> dict[str, str]:
+    """``cuda:0=6GiB,cpu=20GiB`` as ``{"cuda:0": "6GiB", "cpu": "20GiB"}`` (sizes are read by the placement).
+
+    Example::
+
+        >>> max_memory("cuda:0=6GiB, cpu=20GiB")
+        {'cuda:0': '6GiB', 'cpu': '20GiB'}
+    """
+    budgets = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        device, sep, size = (s.strip() for s in item.partition("="))
+        if not sep or not device or not size:
+            raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE[,DEVICE=SIZE], e.g. cuda:0=6GiB,cpu=20GiB; "
+                                             f"got {item!r} in {text!r}")
+        budgets[device] = size
+    if not budgets:
+        raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE[,DEVICE=SIZE], e.g. cuda:0=6GiB,cpu=20GiB; got {text!r}")
+    return budgets
+
+
+def config_argument(value: str | None) -> Any | None:
+    """The litgpt ``Config`` that ``--config`` names: a ``model_config.yaml`` path or a litgpt model name.
+
+    Raises:
+        ValueError: neither an existing file nor a litgpt model name.
+    """
+    if value is None:
+        return None
+    from litgpt import Config
+
+    if Path(value).expanduser().is_file():
+        return Config.from_file(Path(value).expanduser())
+    try:
+        return Config.from_name(value)
+    except ValueError as e:
+        raise ValueError(f"--config {value!r} is neither a model_config.yaml file nor a litgpt model name. Pass a "
+                         "name such as pythia-1b or Llama-3.2-1B, or the path of a model_config.yaml.") from e
+
+
+def default_device(value: str | None) -> str:
+    """``--device``, or litgpt's default: cuda when there is one, else cpu."""
+    if value is not None:
+        return value
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,60 @@
+"""``lightning-lowmem generate``: litgpt generate's text from the same weights, HF directories of any name, and a
+prompt the checkpoint cannot take refused before any weight is read."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from lightning_lowmem.cli import main
+
+PROMPT = "t5 t17 t3 t99 t42 t8"
+
+
+@pytest.mark.parametrize("flags", [["--top_k", "1"], ["--num_samples", "2"]], ids=["greedy", "sampled-seeded"])
+def test_same_text_as_litgpt_generate(run_cli, litgpt_cli_stdout, chat_model_dir, flags):
+    """Prompt style (Alpaca, from prompt_style.yaml) with --sys_prompt, seed 1234, litgpt's default precision."""
+    flags = ["--prompt", PROMPT, "--sys_prompt", "t9 t11", "--max_new_tokens", "20", *flags]
+    proc = run_cli("generate", chat_model_dir, *flags)
+    assert proc.returncode == 0, proc.stderr
+    kwargs = {name.lstrip("-"): int(value) if value.isdigit() else value for name, value in zip(flags[::2], flags[1::2])}
+    expected = litgpt_cli_stdout("generate", chat_model_dir, **kwargs).strip().splitlines()[-kwargs.get("num_samples", 1):]
+    assert proc.stdout.strip().splitlines() == expected
+    assert expected[0].startswith("t9 t0 t0")  # "t9 t11### Instruction:" styled as litgpt styles it
+    assert len(re.findall(r"Time for inference \d: [\d.]+ sec total, [\d.]+ tokens/sec", proc.stderr)) == len(expected)
+    assert "KV cache" in proc.stderr and "peak RSS" in proc.stderr
+
+
+def test_hf_directory_of_any_name_finds_its_config_in_config_json(run_cli, pythia_14m_hf_dir):
+    """A GPT-NeoX of pythia-14m's shapes, saved by transformers under a name litgpt does not know."""
+    directory, hf = pythia_14m_hf_dir
+    assert not (directory / "model_config.yaml").exists()
+    proc = run_cli("generate", directory, "--prompt", "5 17 3 99", "--max_new_tokens", "5", "--top_k", "1",
+                   "--precision", "32-true")
+    assert proc.returncode == 0, proc.stderr
+    expected = hf.generate(torch.tensor([[5, 17, 3, 99]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert proc.stdout.split() == [str(t) for t in expected[0].tolist()]
+
+
+def test_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
+                                                               capsys):
+    directory = write_litgpt_dir(tmp_path / "no-tokenizer", tiny_config(), tokenizer=False)
+    assert main(["generate", str(directory), "--prompt", "What do llamas eat?"]) == 2
+    assert "token ids like '1 2 3'" in capsys.readouterr().err
+    assert read_recorder.keys == []
+    assert main(["generate", str(directory), "--prompt", "1 2 3", "--max_new_tokens", "2", "--top_k", "1"]) == 0
+    assert capsys.readouterr().out.split()[:3] == ["1", "2", "3"] and read_recorder.keys  # ids: read and generated
+
+
+def test_request_past_the_block_size_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
+                                                           capsys):
+    directory = write_litgpt_dir(tmp_path / "short", tiny_config(), tokenizer=False)
+    assert main(["generate", str(directory), "--prompt", "1 2 3 4 5 6", "--max_new_tokens", "64"]) == 2
+    assert "block size (context length) is 64" in capsys.readouterr().err and read_recorder.keys == []
+
+
+def test_a_missing_checkpoint_is_exit_1(tmp_path, capsys):
+    assert main(["generate", "--checkpoint_dir", str(tmp_path / "nowhere"), "--prompt", "1 2"]) == 1
+    assert "CheckpointNotFoundError" in capsys.readouterr().err

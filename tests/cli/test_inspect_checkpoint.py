@@ -1,0 +1,82 @@
+"""``lightning-lowmem inspect``: what a checkpoint holds and whether it fits its config, from headers alone."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import yaml
+
+from lightning_lowmem.cli import main
+
+
+def test_a_good_checkpoint_matches_its_config(run_cli, tmp_path, tiny_config, write_litgpt_dir):
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), torch.bfloat16, tokenizer=False)
+    state = torch.load(directory / "lit_model.pth")
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("format      torch zip", f"tensors     {len(state)}", "dtypes      bfloat16",
+                 "config      litgpt 'pythia-tiny' (from model_config.yaml): matches"):
+        assert line in proc.stdout, proc.stdout
+
+    got = json.loads(run_cli("inspect", directory / "lit_model.pth", "--json").stdout)
+    assert got["tensors"] == len(state) and got["bytes"] == sum(t.nbytes for t in state.values())
+    assert got["dtypes"] == {"bfloat16": {"tensors": len(state), "bytes": got["bytes"]}}
+    assert got["format"] == "torch zip" and got["entry"] == ""
+    assert got["config"] == {"name": "pythia-tiny", "source": "model_config.yaml", "matches": True,
+                             "tensors": len(state), "error": None, "error_type": None}
+
+
+def test_a_lightning_checkpoint_names_its_entry(tmp_path, tiny_config, tiny_gpt, write_checkpoint, capsys):
+    path = write_checkpoint(tiny_gpt(tiny_config()).state_dict(), "lightning", tmp_path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["entry"] == "state_dict" and got["config"] is None and "pass --config" in got["config_note"]
+    assert main(["inspect", str(path), "--config", str(_yaml(tmp_path, tiny_config()))]) == 0
+    assert "weights under 'state_dict'" in capsys.readouterr().out
+
+
+def test_a_corrupt_file_is_its_typed_error_and_exit_1(run_cli, tmp_path, tiny_config, tiny_gpt):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file(tiny_gpt(tiny_config()).state_dict(), path)
+    path.write_bytes(path.read_bytes()[:-1000])  # truncated
+    proc = run_cli("inspect", path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith("error: CheckpointFormatError: ") and "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_that_does_not_fit_names_the_key_and_both_shapes(run_cli, tmp_path, tiny_config,
+                                                                      write_litgpt_dir):
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)  # an MLP of 128
+    (directory / "model_config.yaml").write_text(yaml.safe_dump(
+        {**yaml.safe_load((directory / "model_config.yaml").read_text()), "intermediate_size": 96}))
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 1
+    assert "does not match (CheckpointMismatchError" in proc.stdout and "tensors     " in proc.stdout
+    assert "error: CheckpointMismatchError: " in proc.stderr
+    assert "'transformer.h.0.mlp.fc.weight' in lit_model.pth: checkpoint [128, 32], module " \
+           "'transformer.h.0.mlp.fc.weight' [96, 32]" in proc.stderr
+
+
+def test_missing_and_unexpected_keys_as_the_load_says_them(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
+                                                           capsys):
+    directory = write_litgpt_dir(tmp_path / "cut", tiny_config(), tokenizer=False)
+    state = torch.load(directory / "lit_model.pth")
+    state["transformer.extra.weight"] = state.pop("transformer.h.1.attn.proj.weight")
+    torch.save(state, directory / "lit_model.pth")
+    assert main(["inspect", str(directory)]) == 1
+    err = capsys.readouterr().err
+    assert "1 module tensors are missing from it ('transformer.h.1.attn.proj.weight')" in err
+    assert "1 checkpoint keys have no place in the module ('transformer.extra.weight')" in err
+    assert read_recorder.keys == []  # headers only
+
+
+def _yaml(tmp_path, config):
+    from litgpt.utils import save_config
+
+    directory = tmp_path / "config"
+    directory.mkdir()
+    save_config(config, directory)
+    return directory / "model_config.yaml"
