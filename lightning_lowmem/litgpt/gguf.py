@@ -183,7 +183,12 @@ class GGUFLitgptConversion:
         hf_parts = {self._hf_of[key]: t if t.is_meta else self.to_hf.process(key, t) for key, t in parts.items()}
         return self.to_litgpt.combine.fn(name, hf_parts)
 
-    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    @property
+    def transform(self) -> Any:
+        """For the tensors litgpt takes as they are; None when transformers' processor changes nothing."""
+        return None if self.to_hf.transform is None else self._transform
+
+    def _transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = self._renamed.get(name)
         return tensor if key is None else self.to_hf.process(key, tensor)
 

@@ -2,7 +2,7 @@
 
 llama.cpp's converter renames every tensor (``model.layers.0.self_attn.q_proj.weight`` becomes
 ``blk.0.attn_q.weight``) and, for some families, rewrites it (Llama's q and k rows permuted for its
-RoPE kernel, Gemma's norms stored minus one). transformers undoes both when it loads a GGUF file
+RoPE kernel, Gemma's norms stored as ``1 + w``). transformers undoes both when it loads a GGUF file
 (``transformers.modeling_gguf_pytorch_utils``); :func:`gguf_to_transformers` asks the same code for
 the same answers, once, from the model built on meta:
 
@@ -21,7 +21,7 @@ The full config and the vocabulary come from transformers' own parser (:func:`gg
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,13 @@ class GGUFConversion:
         """For ``load_checkpoint(key_map=...)``: the module name of GGUF key ``key`` (None: left out)."""
         return self.names.get(key)
 
-    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """For ``load_checkpoint(transform=...)``: module tensor ``name`` as read -> as transformers loads it."""
+    @property
+    def transform(self) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+        """For ``load_checkpoint(transform=...)``: module tensor ``name`` as read -> as transformers loads it; None
+        when transformers' processor for this family changes nothing (then weights can be read by blocks of rows)."""
+        return None if type(self.processor).__name__ == "TensorProcessor" else self._transform
+
+    def _transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = self._keys.get(name)
         return tensor if key is None else self.process(key, tensor)
 

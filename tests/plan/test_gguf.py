@@ -101,6 +101,23 @@ def test_the_plan_reads_stored_bytes_and_the_estimate_counts_the_dequantized_ten
     assert est.weights == sum(p.numel() * 2 for p in model.parameters())
 
 
+def test_a_family_transformers_only_renames_needs_no_transform(tiny_gguf, read_recorder, monkeypatch):
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
+    from lightning_lowmem import GGUFConversion
+
+    path = tiny_gguf["Q8_0"]
+    model = _meta_llama(path)
+    llama = gguf_to_transformers(path, model)
+    renamed_only = GGUFConversion(llama.names, TensorProcessor(), "qwen2")  # as for a family with no processor
+    assert llama.transform is not None and renamed_only.transform is None
+    monkeypatch.setattr("lightning_lowmem.quantize.rows.CHUNK_ELEMENTS", 16 * 128)  # blocks of rows, tiny model
+    load_checkpoint(model, path, key_map=renamed_only.key_map, transform=renamed_only.transform,
+                    quantize="torchao.int8wo", dtype=torch.bfloat16, progress=False)
+    assert ("blk.0.ffn_down.weight", 0, 16) in read_recorder.rows  # quantized by blocks of rows, never whole
+    assert "blk.0.ffn_down.weight" not in read_recorder.whole
+
+
 def test_without_the_conversion_the_mismatch_names_the_gguf_keys(tiny_gguf):
     model = _meta_llama(tiny_gguf["Q8_0"])
     with pytest.raises(CheckpointMismatchError, match=r"blk\.0\.attn_k\.weight"):
