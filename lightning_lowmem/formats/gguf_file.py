@@ -161,12 +161,11 @@ class GGUFFile(OpenedFile):
         cols = rec.shape[-1]  # a ggml row: ne[0] elements, a whole number of blocks
         rows = out.numel() // cols if cols else 0
         row_bytes = rec.nbytes // (rec.numel // cols) if rows else 0
-        flat = out.view(rows, cols)
+        flat = out.detach().view(rows, cols).numpy()  # numpy's copy: torch's copy_ took 8x longer on 2 busy cores
         per = max(1, DEQUANTIZE_ELEMENTS // max(cols, 1))
         raw = torch.empty(min(per, rows) * row_bytes, dtype=torch.uint8)
         for first in range(0, rows, per):
             n = min(per, rows - first)
             block = self.read_into(raw[:n * row_bytes], offset + first * row_bytes)
-            values = self.gguf.quants.dequantize(block.numpy().reshape(n, row_bytes), qtype)  # (n, cols) float32
-            flat[first:first + n].copy_(torch.from_numpy(values))
+            flat[first:first + n] = self.gguf.quants.dequantize(block.numpy().reshape(n, row_bytes), qtype)
         return out
