@@ -159,8 +159,10 @@ def generate(
     Args:
         checkpoint: a litgpt checkpoint directory (``lit_model.pth`` + ``model_config.yaml``), an HF-format
             directory (``model.safetensors``; litgpt config from ``model_config.yaml`` or the directory's
-            name), or an already loaded litgpt ``GPT``.
-        prompt: text (needs a tokenizer in the directory), or token ids (list, tensor, or ``'1 2 3'``).
+            name), a ``.gguf`` file or a directory holding one (config and tokenizer from the file), or an
+            already loaded litgpt ``GPT``.
+        prompt: text (needs a tokenizer in the directory or the GGUF file), or token ids (list, tensor, or
+            ``'1 2 3'``).
         options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
             ``precision`` override its fields.
         max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
