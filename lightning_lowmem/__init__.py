@@ -59,7 +59,7 @@ from lightning_lowmem.placement import (
     layer_offload,
     sequential_offload,
 )
-from lightning_lowmem.plan import Combine
+from lightning_lowmem.plan import Combine, GGUFConversion, gguf_config, gguf_to_transformers
 from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers transformers' PreTrainedModel)
 
 register_when_lightning_loads()
@@ -92,6 +92,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "Combine",
     "DeviceUnavailableError",
+    "GGUFConversion",
     "GenerateResult",
     "GenerationMemory",
     "KVCacheTooShortError",
@@ -117,6 +118,8 @@ __all__ = [
     "estimate_memory",
     "format_bytes",
     "generate",
+    "gguf_config",
+    "gguf_to_transformers",
     "init_empty",
     "layer_offload",
     "load_checkpoint",

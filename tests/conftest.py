@@ -701,3 +701,136 @@ def measure_in_fresh_process(child_env):
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     return measure
+
+
+# ---------------------------------------------------------------- GGUF files, written as llama.cpp's converter writes them
+
+# A SentencePiece-style vocabulary as llama.cpp stores one: control tokens, the 256 byte-fallback tokens, then pieces.
+GGUF_TOKENS = (["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁"] + [chr(c) for c in range(97, 123)]
+               + ["▁t", "he", "▁the", "▁a", "in", "er", "on", "▁w", "or", "ld", "▁wor", "▁world", "ll", "▁he", "▁hell",
+                  "lo", "▁hello"])
+
+
+def _llama_permute(weights, n_head: int, n_head_kv: int):
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): q and k rows reordered for its RoPE kernel."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def _gguf_metadata(writer, config, kind: str, vocab: bool) -> None:
+    """The fields convert_hf_to_gguf.py writes for a Llama (``LlamaModel.set_gguf_parameters``, ``_set_vocab_sentencepiece``)."""
+    import gguf
+
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(getattr(gguf.LlamaFileType, "MOSTLY_" + kind))
+    writer.add_vocab_size(config.vocab_size)
+    if vocab:
+        n = len(GGUF_TOKENS)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(GGUF_TOKENS)
+        writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(n - 259)])
+        writer.add_token_types([gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.BYTE] * 256
+                               + [gguf.TokenType.NORMAL] * (n - 259))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+
+
+def _write_gguf(path: Path, model: nn.Module, kind: str, vocab: bool) -> None:
+    """``model`` (a transformers LlamaForCausalLM) as llama.cpp's converter writes it: names from gguf's tensor-name
+    map, q and k permuted, 1-d tensors in F32, the others in ``kind`` (F16, Q8_0, Q4_0: gguf's own quantizers)."""
+    import gguf
+    import numpy as np
+
+    config = model.config
+    qtype = gguf.GGMLQuantizationType[kind]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, "llama")
+    _gguf_metadata(writer, config, kind, vocab)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # a tied head is not written: the embedding is the head
+        data = tensor.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _llama_permute(data, config.num_attention_heads, kv)
+        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 1:
+            writer.add_tensor(key, data.astype(np.float32))
+        elif kind == "F16":
+            writer.add_tensor(key, data.astype(np.float16))
+        else:
+            writer.add_tensor(key, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def write_gguf():
+    """``write_gguf(path, kind="Q8_0", *, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tie=False,
+    vocab=True, seed=0, std=0.3)``: a transformers ``LlamaForCausalLM`` (weights drawn from N(0, std); std=None
+    keeps transformers' init) written to ``path`` as llama.cpp's converter writes it (``kind``: F16, Q8_0, Q4_0),
+    with a 303-token SentencePiece vocabulary unless ``vocab=False``; returns the model."""
+    def write(path: Path, kind: str = "Q8_0", *, hidden: int = 64, intermediate: int = 128, layers: int = 2,
+              heads: int = 4, kv_heads: int = 2, tie: bool = False, vocab: bool = True, seed: int = 0,
+              std: float | None = 0.3, vocab_size: int | None = None) -> nn.Module:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size or len(GGUF_TOKENS), hidden_size=hidden, intermediate_size=intermediate,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie)
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).eval()
+        if std is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.normal_(0, std)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_gguf(path, model, kind, vocab)
+        return model
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, write_gguf) -> dict[str, Path]:
+    """``tiny_gguf[kind]``: a 2-layer Llama (64 dims, 4 heads over 2 key-value heads, 303-token vocabulary) as
+    ``tiny-F16.gguf``, ``tiny-Q8_0.gguf`` and ``tiny-Q4_0.gguf`` in one directory, same weights, written once."""
+    directory = tmp_path_factory.mktemp("gguf")
+    return {kind: (write_gguf(directory / f"tiny-{kind}.gguf", kind), directory / f"tiny-{kind}.gguf")[1]
+            for kind in ("F16", "Q8_0", "Q4_0")}
+
+
+@pytest.fixture(params=["F16", "Q8_0", "Q4_0"])
+def gguf_kind(request) -> str:
+    """Each GGUF tensor type ``tiny_gguf`` writes."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def gguf_from_pretrained():
+    """``gguf_from_pretrained(path, **kwargs)``: transformers' own load of a GGUF file
+    (``AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)``), in eval mode, its progress bars silenced."""
+    def load(path: Path, **kwargs) -> nn.Module:
+        import transformers
+
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+        return model.eval()
+
+    return load

@@ -67,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_lowmem.litgpt.patch import patch_litgpt
 
-    directory = Path(args.checkpoint)
-    model, tokenizer, config, report = _load(directory, args)
+    model, tokenizer, config, report, directory = _load(Path(args.checkpoint), args)
     print(report, file=sys.stderr)
     prompt_style = _prompt_style(directory, config)
     exit_instruction = ("To exit, enter '!quit' or '!exit' on an empty prompt and press 'Enter'." if args.multiline
@@ -83,19 +82,21 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load(directory: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """``(model, tokenizer, config, load report)``; no tokenizer is an error before any weight is read."""
+def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Path]:
+    """``(model, tokenizer, config, load report, directory)``; no tokenizer is an error before any weight is
+    read."""
     from lightning_lowmem.errors import CheckpointNotFoundError
-    from lightning_lowmem.litgpt.checkpoint_dir import find_config, has_tokenizer
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import load_for_generation
 
-    config = config_argument(args.config) or find_config(directory)[0]
-    if not has_tokenizer(directory):
-        raise CheckpointNotFoundError(f"No tokenizer in {str(directory)!r}: chat needs tokenizer.json or "
-                                      "tokenizer.model there. Copy the model's tokenizer files into the directory.")
-    model, tokenizer, report = load_for_generation(directory, quantize=args.quantize, precision=args.precision,
-                                                   device=default_device(args.device), config=config)
-    return model, tokenizer, config, report
+    found = LitgptCheckpoint.find(path, config_argument(args.config))
+    if found.tokenizer is None:
+        raise CheckpointNotFoundError(f"No tokenizer in {str(path)!r}: chat needs tokenizer.json or "
+                                      "tokenizer.model there (or a GGUF file with a vocabulary). Copy the model's "
+                                      "tokenizer files into the directory.")
+    model, tokenizer, report = load_for_generation(found, quantize=args.quantize, precision=args.precision,
+                                                   device=default_device(args.device))
+    return model, tokenizer, found.config, report, found.directory
 
 
 def _prompt_style(directory: Path, config: Any) -> Any:

@@ -40,8 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "generate", summary="generate text, as litgpt generate does, with the model streamed in",
         description="Generate text after a prompt, as `litgpt generate` does (same flags, same greedy text), with "
                     "the model streamed in and quantized as it loads, and the KV caches sized to the request. "
-                    "The checkpoint is a litgpt directory (lit_model.pth + model_config.yaml) or an HF one "
-                    "(model.safetensors + config.json).",
+                    "The checkpoint is a litgpt directory (lit_model.pth + model_config.yaml), an HF one "
+                    "(model.safetensors + config.json), or a .gguf file (config and tokenizer from the file).",
         epilog=EPILOG)
     add_checkpoint(parser, "the checkpoint directory")
     parser.add_argument("--prompt", default="What food do llamas eat?",
@@ -55,19 +55,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, generate ``--num_samples`` samples, print each; timings and memory to stderr."""
-    from lightning_lowmem.litgpt.checkpoint_dir import find_config, has_tokenizer
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import generate
 
-    directory = Path(args.checkpoint)
-    config = config_argument(args.config) or find_config(directory)[0]
+    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config))
     prompt = args.prompt
-    if has_tokenizer(directory):  # a text prompt: styled as litgpt styles it
+    if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
         from lightning_lowmem.cli.prompts import prompt_style_for
 
-        prompt = prompt_style_for(directory, config).apply(prompt, sys_prompt=args.sys_prompt)
-    result = generate(directory, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        prompt = prompt_style_for(found.directory, found.config).apply(prompt, sys_prompt=args.sys_prompt)
+    result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
-                      num_samples=args.num_samples, device=default_device(args.device), config=config, seed=SEED)
+                      num_samples=args.num_samples, device=default_device(args.device), seed=SEED)
     if result.load_report is not None:
         print(result.load_report, file=sys.stderr)
     for i, tokens in enumerate(result.tokens):

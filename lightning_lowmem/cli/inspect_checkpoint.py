@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.checkpoint).expanduser()
     with Checkpoint.open(_weights(path)) as ckpt:
         summary = summarize(path, ckpt)
-        config, source, note = _config(path, args.config)
+        config, source, note = _config(path, args.config, ckpt)
         summary.config_note = note
         if config is not None:
             summary.config = fit(ckpt, config, source)
@@ -110,10 +110,17 @@ def fit(ckpt: Checkpoint, config: Any, source: str) -> Fit:
     result = Fit(name=config.name, source=source)
     try:
         model, options = build_meta_gpt(config), LoadOptions()
-        if looks_hf(ckpt.records):
+        conversion = None
+        if ckpt.gguf is not None:
+            from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, read_gguf_source
+
+            conversion = gguf_to_litgpt(config, ckpt, read_gguf_source(ckpt, tokenizer=False).hf_config)
+        elif looks_hf(ckpt.records):
             conversion = hf_to_litgpt(config, ckpt.records)
+        if conversion is not None:
             conversion.tie(model)  # as the load does
-            options = LoadOptions(key_map=conversion.key_map, combine=conversion.combine)
+            options = LoadOptions(key_map=conversion.key_map, combine=conversion.combine,
+                                  transform=getattr(conversion, "transform", None))
         prepared = prepare_load(model, ckpt.records, options, files=ckpt.description)
     except LowMemError as e:
         result.error, result.error_type = str(e), type(e).__name__
@@ -141,13 +148,22 @@ def render(summary: Summary) -> str:
     return "\n".join(lines)
 
 
-def _config(path: Path, name_or_yaml: str | None) -> tuple[Any | None, str, str]:
-    """``(config, where it came from, why there is none)``: ``--config``, else what the directory says."""
+def _config(path: Path, name_or_yaml: str | None, ckpt: Checkpoint) -> tuple[Any | None, str, str]:
+    """``(config, where it came from, why there is none)``: ``--config``, else a GGUF file's metadata, else what
+    the directory says."""
     from lightning_lowmem.cli.options import config_argument
     from lightning_lowmem.litgpt.checkpoint_dir import find_config
 
     if name_or_yaml is not None:
         return config_argument(name_or_yaml), f"--config {name_or_yaml}", ""
+    if ckpt.gguf is not None:
+        from lightning_lowmem.litgpt.gguf import litgpt_config, read_gguf_source
+
+        found = read_gguf_source(ckpt, tokenizer=False)
+        try:
+            return litgpt_config(found.hf_config, found.names), "the GGUF file's metadata", ""
+        except ValueError as e:
+            return None, "", f"{e} (pass --config NAME to check the fit)"
     try:
         config, source = find_config(path if path.is_dir() else path.parent)
     except (ValueError, CheckpointFormatError) as e:
@@ -162,6 +178,7 @@ def _weights(path: Path) -> Path:
 
 
 def _format_of(file: Any) -> str:
+    from lightning_lowmem.formats.gguf_file import GGUFFile
     from lightning_lowmem.formats.torch_zip import TorchZipFile
 
-    return "torch zip" if isinstance(file, TorchZipFile) else "safetensors"
+    return "torch zip" if isinstance(file, TorchZipFile) else "GGUF" if isinstance(file, GGUFFile) else "safetensors"

@@ -20,7 +20,9 @@
                    element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
                    a scheme that quantizes whole weights, the cast weight + what quantizing it
                    holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
-                   qkv) adds itself and its parts; plus 6 MiB measured for the load itself
+                   qkv) adds itself and its parts; a tensor stored block-quantized (GGUF) is read
+                   as float32 and adds the dequantization's workspace (``DEQUANTIZE_WORKSPACE``);
+                   plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
                    + first forward + runtime)
 """
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
+from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 from lightning_lowmem.plan import Target
@@ -153,12 +156,13 @@ def _add_target(est: MemoryEstimate, target: Target) -> None:
     numel = target.record.numel
     read_itemsize, cast = target.record.dtype.itemsize, target.cast_nbytes
     read = numel * read_itemsize if target.record.dtype != target.dtype else 0  # as read, beside its cast copy
-    parts = sum(p.nbytes for p in target.parts)  # the parts of a combined tensor are held while it is built
+    parts = sum(p.tensor_nbytes for p in target.parts)  # the parts of a combined tensor are held while it is built
+    decode = DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
     est.params += numel
     est.weights += target.final_nbytes
     scheme = target.scheme
     if scheme is None:
-        est.load_transient = max(est.load_transient, read + parts)
+        est.load_transient = max(est.load_transient, read + parts + decode)
         return
     est.quantized_params += numel
     est.quantized_weights += target.final_nbytes
@@ -170,4 +174,4 @@ def _add_target(est: MemoryEstimate, target: Target) -> None:
         transient = whole + int(block * per_element) + TRIM_AT
     else:
         transient = max(read + cast + parts, cast + int(scheme.transient * numel))
-    est.load_transient = max(est.load_transient, transient)
+    est.load_transient = max(est.load_transient, transient + decode)

@@ -121,7 +121,7 @@ class _Reads:
         if self.by_rows(target):
             return _row_source(self.ckpt, target)
         rec = target.record
-        if self.scratch is not None and rec.nbytes <= self.scratch_size and self._copied(target):
+        if self.scratch is not None and rec.tensor_nbytes <= self.scratch_size and self._copied(target):
             return self.ckpt.read(rec.key, out=self.scratch.view(rec.shape, rec.dtype))
         return self.ckpt.read(rec.key)
 
@@ -188,6 +188,6 @@ def _scratch_size(plan: LoadPlan, copied: Callable[[Target], bool]) -> int:
     total, done, size = plan.nbytes, 0, 0
     for target in plan.targets:
         if done >= total / 2 and copied(target):
-            size = max(size, target.record.nbytes)
+            size = max(size, target.record.tensor_nbytes)
         done += target.read_nbytes
     return size

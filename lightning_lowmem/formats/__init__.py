@@ -1,7 +1,7 @@
 """Checkpoint formats: which files a path stands for, their headers, and reading one tensor at a time.
 
 ``discovery`` finds the files (a file, an index's shards, a directory's checkpoint),
-``safetensors`` and ``torch_zip`` read their headers and then their tensors one by one,
+``safetensors_file``, ``torch_zip`` and ``gguf_file`` read their headers and then their tensors one by one,
 ``checkpoint`` puts every file's records together. Nothing here knows about modules.
 """
 

@@ -17,11 +17,12 @@ import torch
 from lightning_lowmem.errors import CheckpointFormatError, format_names
 from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
 from lightning_lowmem.formats.files import open_regular
+from lightning_lowmem.formats.gguf_file import GGUFFile
 from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
 from lightning_lowmem.formats.safetensors_file import SafetensorsFile
 from lightning_lowmem.formats.torch_zip import TorchZipFile
 
-_READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile}
+_READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile, "gguf": GGUFFile}
 
 
 def _open_files(path: str | Path) -> list[CheckpointFile]:
@@ -52,8 +53,9 @@ def _open_shard(path: Path) -> CheckpointFile:
     fd = open_regular(path)
     try:
         kind = kind_of(os.pread(fd, HEAD_BYTES, 0), path)
-        if kind == "index":
-            raise CheckpointFormatError(f"{path} is an index inside an index; pass the top-level index instead.")
+        if kind in ("index", "gguf"):
+            raise CheckpointFormatError(f"{path} is {'an index' if kind == 'index' else 'a GGUF file'} named by an "
+                                        "index; pass the top-level index of safetensors or torch shards, or the file.")
         return _READERS[kind](path, fd)
     except BaseException:
         os.close(fd)
@@ -124,6 +126,11 @@ class Checkpoint:
                 out.update(entries)
                 inert += paths
         return out, inert
+
+    @property
+    def gguf(self) -> GGUFFile | None:
+        """The GGUF file, when the checkpoint is one (its header's metadata, a handle for gguf's parsers)."""
+        return next((f for f in self.files if isinstance(f, GGUFFile)), None)
 
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointFormatError` when a file changed since it was opened."""

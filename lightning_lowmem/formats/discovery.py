@@ -1,8 +1,9 @@
 """Which files a checkpoint path stands for: one file, a sharded set's index, or a directory.
 
-Formats are told apart by content (a zip signature, a safetensors header, an
-index's ``weight_map``), not by file name alone. In a directory with several
-candidates, safetensors wins over pickle-based files, and the choice is logged.
+Formats are told apart by content (a zip signature, a safetensors header, the
+``GGUF`` magic, an index's ``weight_map``), not by file name alone. In a directory
+with several candidates, safetensors wins over pickle-based files and those over
+a ``.gguf`` file, and the choice is logged.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundErr
 log = logging.getLogger(__name__)
 
 ZIP_MAGIC = b"PK\x03\x04"
+GGUF_MAGIC = b"GGUF"
 HEAD_BYTES = 9
 """Bytes of a file's start that tell its format apart (:func:`kind_of`)."""
 
@@ -34,23 +36,32 @@ _DIRECTORY_CANDIDATES = (
     "*.pt",
     "*.bin",
     "*.ckpt",
+    "*.gguf",
 )
 
 
 def kind_of(head: bytes, path: Path) -> str:
-    """``'safetensors'``, ``'torch'`` or ``'index'``, from the first :data:`HEAD_BYTES` bytes of ``path``.
+    """``'safetensors'``, ``'torch'``, ``'gguf'`` or ``'index'``, from the first :data:`HEAD_BYTES` bytes of ``path``.
 
     Example::
 
         >>> kind_of(b"PK\\x03\\x04\\x00\\x00\\x00\\x00\\x00", Path("m.bin"))
         'torch'
+        >>> kind_of(b"GGUF\\x03\\x00\\x00\\x00\\x00", Path("model.Q4_0.gguf"))
+        'gguf'
     """
     if head[:4] == ZIP_MAGIC:
         return "torch"
+    if head[:4] == GGUF_MAGIC:
+        return "gguf"
     if len(head) == HEAD_BYTES and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < 100 * 2**20:
         return "safetensors"
     if head.lstrip()[:1] == b"{":
         return "index"
+    if path.suffix == ".gguf":
+        raise CheckpointFormatError(
+            f"{path} is named .gguf but does not start with the GGUF magic (first bytes: {head!r}): it is damaged "
+            "or not a GGUF file. Download or convert it again.")
     if head[:1] == b"\x80":  # a bare pickle: torch.save(..., _use_new_zipfile_serialization=False)
         raise CheckpointFormatError(
             f"{path} is a bare pickle (torch's legacy format), which cannot be read without unpickling "
@@ -58,8 +69,9 @@ def kind_of(head: bytes, path: Path) -> str:
             "torch.save (or safetensors.torch.save_file)."
         )
     raise CheckpointFormatError(
-        f"{path} is neither a safetensors file, a torch zip archive nor a JSON index (first bytes: {head!r}). "
-        "Pass a .safetensors file, a torch.save file, a *.index.json or a directory holding them."
+        f"{path} is neither a safetensors file, a torch zip archive, a GGUF file nor a JSON index (first bytes: "
+        f"{head!r}). Pass a .safetensors file, a torch.save file, a .gguf file, a *.index.json or a directory "
+        "holding them."
     )
 
 
@@ -84,7 +96,7 @@ def _pick_in_directory(directory: Path) -> Path:
             found = [p for p in found if ".index" not in p.name]
         if len(found) == 1:
             others = [p.name for p in directory.iterdir() if p.is_file() and p != found[0]
-                      and p.suffix in (".safetensors", ".bin", ".pth", ".pt", ".ckpt")]
+                      and p.suffix in (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")]
             if others:
                 log.info("Checkpoint directory %s: using %s (also present: %s)", directory, found[0].name,
                          format_names(others))

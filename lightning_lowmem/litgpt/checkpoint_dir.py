@@ -1,16 +1,19 @@
 """A litgpt ``GPT`` from a checkpoint directory, through ``Fabric(strategy=LowMemStrategy(...))``.
 
-Two layouts are read:
+Three layouts are read:
 
 * litgpt's: ``lit_model.pth`` + ``model_config.yaml`` (+ tokenizer files);
 * HF's: ``model.safetensors`` (or a sharded ``*.index.json`` set, or
   ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
   litgpt's own conversion (:mod:`lightning_lowmem.litgpt.hf`) as it streams in;
-  an output head that the checkpoint does not hold is tied to the embedding.
+  an output head that the checkpoint does not hold is tied to the embedding;
+* a GGUF file (``model.Q4_0.gguf``, or a directory holding one): dequantized as it is
+  read, converted by transformers' GGUF code and then litgpt's
+  (:mod:`lightning_lowmem.litgpt.gguf`); config and tokenizer from the file.
 
-The litgpt config comes from ``model_config.yaml`` when present, else from the
-directory's name, as ``litgpt convert_to_litgpt`` does, else from the directory's
-HF ``config.json`` (:mod:`lightning_lowmem.litgpt.hf_config`).
+The litgpt config of the first two comes from ``model_config.yaml`` when present,
+else from the directory's name, as ``litgpt convert_to_litgpt`` does, else from the
+directory's HF ``config.json`` (:mod:`lightning_lowmem.litgpt.hf_config`).
 
 The model is built on the meta device, RoPE tables included, so nothing the
 size of the whole context is allocated, then streamed in (and quantized) by the
@@ -32,6 +35,8 @@ from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.discovery import GGUF_MAGIC
+from lightning_lowmem.litgpt.gguf import GGUFSource, gguf_to_litgpt, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.meta import init_empty
@@ -43,24 +48,35 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 @dataclass
 class LitgptCheckpoint:
-    """What is in a checkpoint directory: where the weights are, the config, the tokenizer if any."""
+    """What is in a checkpoint directory: where the weights are, the config, the tokenizer if any.
+
+    ``gguf`` holds what a GGUF file says beyond its tensors (its transformers config), None otherwise.
+    """
 
     directory: Path
     weights: Path
     config: Any
     tokenizer: Any | None
+    gguf: GGUFSource | None = None
 
     @classmethod
     def find(cls, checkpoint_dir: str | Path, config: Any | None = None) -> LitgptCheckpoint:
-        """Inspect ``checkpoint_dir`` (reads no weights).
+        """Inspect ``checkpoint_dir``, a directory or a ``.gguf`` file (reads no weights).
 
         Raises:
-            CheckpointNotFoundError: no ``lit_model.pth`` and no HF weights in the directory.
+            CheckpointNotFoundError: no ``lit_model.pth``, no HF weights and no GGUF file in the directory.
             ValueError: no config given, and neither ``model_config.yaml``, the directory's name nor its
-                ``config.json`` gives one (see :func:`find_config`).
+                ``config.json`` gives one (see :func:`find_config`); for a GGUF file: a model family
+                lightning_lowmem builds no litgpt config for.
         """
-        directory = Path(checkpoint_dir)
-        weights = _weights_file(directory)
+        path = Path(checkpoint_dir)
+        weights = path if path.is_file() else _weights_file(path)
+        if _is_gguf(weights):
+            with Checkpoint.open(weights) as ckpt:
+                source = read_gguf_source(ckpt)
+            return cls(directory=weights.parent, weights=weights, tokenizer=source.tokenizer, gguf=source,
+                       config=config or litgpt_config(source.hf_config, source.names))
+        directory = weights.parent if path.is_file() else path
         return cls(directory=directory, weights=weights, config=config or find_config(directory)[0],
                    tokenizer=_tokenizer(directory))
 
@@ -94,9 +110,10 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     device = options.device or torch.device("cpu")
     dtype = options.dtype or torch.bfloat16
     with Checkpoint.open(checkpoint.weights) as ckpt:
-        conversion = hf_to_litgpt(checkpoint.config, ckpt.records) if looks_hf(ckpt.records) else None
+        conversion = _conversion(checkpoint, ckpt)
         if conversion is not None:
-            options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine)
+            options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
+                                        transform=getattr(conversion, "transform", None))
         # inference: a tensor the checkpoint lacks is an error, never a randomly initialized "adapter"
         strategy = LowMemStrategy(device=device, options=LoadOptions.merge(options, dtype=dtype), init_added=False)
         fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=precision_flag(dtype))
@@ -109,18 +126,31 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     return model.eval(), strategy.reports[-1]
 
 
+def _conversion(checkpoint: LitgptCheckpoint, ckpt: Checkpoint) -> Any | None:
+    """How the checkpoint's tensors become litgpt's: GGUF or HF conversion, or None (litgpt's own keys)."""
+    if checkpoint.gguf is not None:
+        return gguf_to_litgpt(checkpoint.config, ckpt, checkpoint.gguf.hf_config)
+    return hf_to_litgpt(checkpoint.config, ckpt.records) if looks_hf(ckpt.records) else None
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
 def _weights_file(directory: Path) -> Path:
     if (directory / "lit_model.pth").is_file():
         return directory / "lit_model.pth"
     for name in _HF_FILES:
         if (directory / name).is_file():
             return directory / name
-    shards = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
-    if len(shards) == 1:
-        return shards[0]
+    for pattern in ("*.safetensors", "*.gguf"):
+        found = sorted(directory.glob(pattern)) if directory.is_dir() else []
+        if len(found) == 1:
+            return found[0]
     raise CheckpointNotFoundError(
-        f"No checkpoint in {str(directory)!r}: expected lit_model.pth (litgpt) or model.safetensors / "
-        f"model.safetensors.index.json / pytorch_model.bin (HF). Found: "
+        f"No checkpoint in {str(directory)!r}: expected lit_model.pth (litgpt), model.safetensors / "
+        f"model.safetensors.index.json / pytorch_model.bin (HF) or one .gguf file. Found: "
         f"{format_names(sorted(p.name for p in directory.iterdir())) if directory.is_dir() else 'no such directory'}."
     )
 

@@ -20,6 +20,7 @@ from lightning_lowmem.engine import CPU_RUNTIME, LoadOptions, MemoryEstimate, es
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near
+from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
@@ -47,8 +48,8 @@ def estimate_memory(
         source: a checkpoint (file or directory, as :func:`~lightning_lowmem.load_checkpoint` takes), a litgpt
             ``Config``, or a litgpt model name (``"pythia-1b"``; a string that is no existing path). For a
             checkpoint, the litgpt config is ``config``, else the directory's ``model_config.yaml``, its name or
-            its HF ``config.json``; without one, Linear weights are guessed from key names and caches are not
-            estimated.
+            its HF ``config.json`` (a GGUF file's: built from its metadata); without one, Linear weights are
+            guessed from key names and caches are not estimated.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         quantize / skip_quantize / key_map / max_memory: as :func:`~lightning_lowmem.load_checkpoint`.
             With ``max_memory`` (needs a litgpt config) the estimate carries the placement plan the load
@@ -76,13 +77,14 @@ def estimate_memory(
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
     dtype = options.dtype or torch.bfloat16
     options = LoadOptions.merge(options, dtype=dtype)
-    model, records, name, files = _model_and_records(source, config, dtype)
+    model, records, name, files, conversion = _model_and_records(source, config, dtype)
     if model is None:
         model = stand_in_module(records)
-    elif options.key_map is None and looks_hf(records):
-        conversion = hf_to_litgpt(model.config, records)
+    elif options.key_map is None and (conversion is not None or looks_hf(records)):
+        conversion = conversion or hf_to_litgpt(model.config, records)
         conversion.tie(model)  # as the load does
-        options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine)
+        options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
+                                    transform=getattr(conversion, "transform", None))
     length = max_seq_length or (model.config.block_size if hasattr(model, "config") else 0)
     is_litgpt = hasattr(model, "config")
     if is_litgpt and length > model.config.block_size:
@@ -101,19 +103,25 @@ def estimate_memory(
 
 
 def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype
-                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str]:
-    """The meta-built litgpt model (None without a config), the records to plan from, a name, the files."""
+                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None]:
+    """The meta-built litgpt model (None without a config), the records to plan from, a name, the files, and
+    a GGUF file's conversion (None for other checkpoints)."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
         records = {n: TensorRecord(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
-        return model, records, source.name, f"the config {source.name!r}"
-    config = config or config_near(Path(source))
+        return model, records, source.name, f"the config {source.name!r}", None
+    conversion = None
     with Checkpoint.open(source) as ckpt:
         records, files = dict(ckpt.records), ckpt.description
+        if ckpt.gguf is not None:  # the config and the conversion from the file, as generate() makes them
+            found = read_gguf_source(ckpt, tokenizer=False)
+            config = config or litgpt_config(found.hf_config, found.names)
+            conversion = gguf_to_litgpt(config, ckpt, found.hf_config)
+    config = config or config_near(Path(source))
     model = build_meta_gpt(config) if config is not None else None
-    return model, records, getattr(config, "name", "") or str(source), files
+    return model, records, getattr(config, "name", "") or str(source), files, conversion
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

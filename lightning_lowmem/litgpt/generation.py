@@ -12,7 +12,7 @@ and report the memory of each: weights, KV cache, mask, RoPE, peak RSS.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def generation_options(options: LoadOptions | None, precision: str | None, **ove
 
 
 def load_for_generation(
-    checkpoint_dir: str | Path,
+    checkpoint_dir: str | Path | LitgptCheckpoint,
     *,
     options: LoadOptions | None = None,
     quantize: str | None = None,
@@ -109,10 +109,17 @@ def load_for_generation(
     device: torch.device | str | None = None,
     config: Any | None = None,
 ) -> tuple[nn.Module, Any | None, LoadReport]:
-    """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``."""
-    checkpoint = LitgptCheckpoint.find(checkpoint_dir, config)
+    """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``. ``checkpoint_dir`` is a path, or
+    what :meth:`LitgptCheckpoint.find` found there."""
+    checkpoint = _found(checkpoint_dir, config)
     model, report = load_litgpt(checkpoint, generation_options(options, precision, quantize=quantize, device=device))
     return model, checkpoint.tokenizer, report
+
+
+def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None) -> LitgptCheckpoint:
+    if not isinstance(checkpoint, LitgptCheckpoint):
+        return LitgptCheckpoint.find(checkpoint, config)
+    return checkpoint if config is None else replace(checkpoint, config=config)
 
 
 def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,
@@ -138,7 +145,7 @@ def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,
 
 
 def generate(
-    checkpoint: str | Path | nn.Module,
+    checkpoint: str | Path | LitgptCheckpoint | nn.Module,
     prompt: str | list[int] | torch.Tensor,
     *,
     options: LoadOptions | None = None,
@@ -159,9 +166,11 @@ def generate(
     Args:
         checkpoint: a litgpt checkpoint directory (``lit_model.pth`` + ``model_config.yaml``), an HF-format
             directory (``model.safetensors``; litgpt config from ``model_config.yaml``, the directory's
-            name or its ``config.json``), or an already loaded litgpt ``GPT``.
-        prompt: text (needs a tokenizer in the directory), or token ids (list, tensor, or ``'1 2 3'``). It is
-            encoded, and prompt + ``max_new_tokens`` checked against the block size, before any weight is read.
+            name or its ``config.json``), a ``.gguf`` file or a directory holding one (config and tokenizer
+            from the file), what :meth:`LitgptCheckpoint.find` found in one, or an already loaded litgpt ``GPT``.
+        prompt: text (needs a tokenizer in the directory or the GGUF file), or token ids (list, tensor, or
+            ``'1 2 3'``). It is encoded, and prompt + ``max_new_tokens`` checked against the block size, before
+            any weight is read.
         options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
             ``precision`` override its fields.
         max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
@@ -192,7 +201,7 @@ def generate(
     import litgpt.generate.base  # noqa: F401  (imported before the monitor starts: its import is no model memory)
 
     options = generation_options(options, precision, quantize=quantize, device=device)
-    found = None if isinstance(checkpoint, nn.Module) else LitgptCheckpoint.find(checkpoint, config)
+    found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
     if found is not None:

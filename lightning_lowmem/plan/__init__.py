@@ -6,16 +6,20 @@ streaming loop, the placement plan and the estimate all read it.
 """
 
 from lightning_lowmem.plan.combine import Combine
+from lightning_lowmem.plan.gguf import GGUFConversion, gguf_config, gguf_to_transformers
 from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
 from lightning_lowmem.plan.plan import LoadPlan, Target, apply_dtype_fallback, make_plan, module_records
 
 __all__ = [
     "Combine",
+    "GGUFConversion",
     "KeyMap",
     "LoadPlan",
     "Target",
     "apply_dtype_fallback",
     "apply_key_map",
+    "gguf_config",
+    "gguf_to_transformers",
     "guess_prefix",
     "make_plan",
     "module_records",

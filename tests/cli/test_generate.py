@@ -58,3 +58,13 @@ def test_request_past_the_block_size_fails_before_any_read(tmp_path, tiny_config
 def test_a_missing_checkpoint_is_exit_1(tmp_path, capsys):
     assert main(["generate", "--checkpoint_dir", str(tmp_path / "nowhere"), "--prompt", "1 2"]) == 1
     assert "CheckpointNotFoundError" in capsys.readouterr().err
+
+
+def test_a_gguf_file_generates_what_generate_gives(tiny_gguf, capsys):
+    from lightning_lowmem import generate
+
+    path = tiny_gguf["Q8_0"]
+    want = generate(path, "hello world", max_new_tokens=4, temperature=0.0, precision="32-true")
+    assert main(["generate", str(path), "--prompt", "hello world", "--max_new_tokens", "4", "--top_k", "1",
+                 "--precision", "32-true"]) == 0
+    assert capsys.readouterr().out.strip() == want.texts[0].strip()

@@ -80,3 +80,16 @@ def _yaml(tmp_path, config):
     directory.mkdir()
     save_config(config, directory)
     return directory / "model_config.yaml"
+
+
+def test_a_gguf_file_with_its_config_from_the_file(tiny_gguf, capsys):
+    from lightning_lowmem.formats import Checkpoint
+
+    path = tiny_gguf["Q8_0"]
+    assert main(["inspect", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with Checkpoint.open(path) as ckpt:
+        stored = sum(r.nbytes for r in ckpt.records.values())
+        assert got["tensors"] == len(ckpt.records)
+    assert got["format"] == "GGUF" and got["bytes"] == stored < path.stat().st_size
+    assert got["config"]["source"] == "the GGUF file's metadata" and got["config"]["matches"], got["config"]

@@ -1,10 +1,12 @@
 """Property-based fuzzing of the checkpoint readers (hypothesis).
 
 Small valid checkpoints (one safetensors file, a sharded safetensors set, a torch zip file holding
-a Lightning-style checkpoint with an object whose unpickling would write a marker file) are
-mutated: bytes of their structure flipped (headers, index, zip directory, pickle: tensor bytes
-carry no checksum in safetensors, so flipping them would just be other weights), the files
-truncated anywhere, header fields edited. Every outcome must be the exact original weights, or a
+a Lightning-style checkpoint with an object whose unpickling would write a marker file, a GGUF
+file written by gguf's GGUFWriter) are mutated: bytes of their structure flipped (headers, index,
+zip directory, pickle: tensor bytes carry no checksum in safetensors or GGUF, so flipping them
+would just be other weights; nor do a GGUF tensor's 4 type bytes, which say how its bytes are read:
+F32 flipped to I32, or F16 to BF16, is the same bytes read as other numbers, so they are left out
+like the data), the files truncated anywhere, header fields edited. Every outcome must be the exact original weights, or a
 typed error (``LowMemError``) with the module untouched; always within a memory cap and a time
 limit, and never with the marker file written.
 
@@ -32,7 +34,7 @@ from lightning_lowmem import LowMemError, MemoryMonitor, init_empty, load_checkp
 EXAMPLES = int(os.environ.get("LOWMEM_FUZZ_EXAMPLES", "60"))
 MEMORY_CAP = 64 * 2**20
 TIME_LIMIT = 10.0
-KINDS = ("safetensors", "sharded", "torch")
+KINDS = ("safetensors", "sharded", "torch", "gguf")
 
 
 def _write_marker(path: str) -> None:
@@ -74,9 +76,34 @@ def _write(kind: str, directory: Path, marker: Path) -> tuple[Path, dict[Path, l
         index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         ranges[index] = [(0, index.stat().st_size)]
         return index, ranges
+    if kind == "gguf":
+        return _write_gguf(state, directory / "model.gguf")
     path = directory / "model.ckpt"
     torch.save({"state_dict": state, "hyper_parameters": {"payload": Payload(str(marker))}, "epoch": 1}, path)
     return path, {path: _zip_structure(path)}
+
+
+def _write_gguf(state: dict[str, torch.Tensor], path: Path) -> tuple[Path, dict[Path, list[tuple[int, int]]]]:
+    """``state`` in F32 with gguf's own writer; the header's byte ranges but each tensor's type (found by gguf's reader)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("fuzz")
+    for key, tensor in state.items():
+        writer.add_tensor(key, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(path)
+    types = sorted(t.field.offset + sum(int(part.nbytes) for part in t.field.parts[:4]) for t in reader.tensors)
+    ranges, at = [], 0
+    for start in types:
+        ranges.append((at, start))
+        at = start + 4
+    ranges.append((at, reader.data_offset))
+    del reader
+    return path, {path: ranges}
 
 
 def _safetensors_header(path: Path) -> list[tuple[int, int]]:

@@ -1,0 +1,198 @@
+"""GGUF names and layouts -> transformers', with transformers' own name map and tensor processors: a meta-built
+LlamaForCausalLM loaded from F16, Q8_0 and Q4_0 files gives transformers' own logits, bit for bit, and a load's
+peak memory stays near the final model where transformers' own GGUF load holds the whole model in float32 first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_lowmem import (
+    Checkpoint,
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    LoadOptions,
+    init_empty,
+    load_checkpoint,
+)
+from lightning_lowmem.engine import estimate_prepared, prepare_load
+from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
+from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
+
+
+def _meta_llama(path):
+    import transformers
+
+    with init_empty():
+        return transformers.LlamaForCausalLM(gguf_config(path))
+
+
+def test_loads_what_transformers_loads_bit_for_bit(tiny_gguf, gguf_kind, gguf_from_pretrained, forward_logits):
+    path = tiny_gguf[gguf_kind]
+    model = _meta_llama(path)
+    conversion = gguf_to_transformers(path, model)
+    report = load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform,
+                             dtype=torch.float32, progress=False)
+    reference = gguf_from_pretrained(path)
+    assert torch.equal(forward_logits(model.eval()), forward_logits(reference))
+    with Checkpoint.open(path) as ckpt:
+        assert report.bytes_read == sum(rec.nbytes for rec in ckpt.records.values())  # the stored bytes
+    assert conversion.names["blk.0.attn_q.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    assert conversion.skipped == []
+
+
+def test_the_llama_q_and_k_permutation_is_reversed(tiny_gguf, write_gguf, tmp_path):
+    original = write_gguf(tmp_path / "again.gguf", "F16")  # the same weights as tiny_gguf's, before conversion
+    model = _meta_llama(tiny_gguf["F16"])
+    conversion = gguf_to_transformers(tiny_gguf["F16"], model)
+    load_checkpoint(model, tiny_gguf["F16"], key_map=conversion.key_map, transform=conversion.transform,
+                    dtype=torch.float32, progress=False)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        want = original.get_parameter(name).detach().half().float()
+        assert torch.equal(model.get_parameter(name), want), name
+    with Checkpoint.open(tiny_gguf["F16"]) as ckpt:  # stored permuted: not equal as read
+        assert not torch.equal(ckpt.read("blk.0.attn_q.weight").float(),
+                               original.model.layers[0].self_attn.q_proj.weight.detach().half().float())
+
+
+def test_a_tied_head_is_the_embedding(tmp_path, write_gguf, gguf_from_pretrained, forward_logits):
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, "Q8_0", tie=True)
+    model = _meta_llama(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    conversion = gguf_to_transformers(path, model)
+    load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform, dtype=torch.float32,
+                    progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(forward_logits(model.eval()), forward_logits(gguf_from_pretrained(path)))
+
+
+@pytest.mark.parametrize("quantize", [None, "torchao.int8wo", "bnb.int8"])
+def test_bf16_and_quantized_on_load(tiny_gguf, gguf_from_pretrained, forward_logits, quantize):
+    path = tiny_gguf["Q8_0"]
+    model = _meta_llama(path)
+    conversion = gguf_to_transformers(path, model)
+    report = load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform,
+                             dtype=torch.bfloat16, quantize=quantize, progress=False)
+    reference = forward_logits(gguf_from_pretrained(path))
+    got = forward_logits(model.eval())
+    assert (got - reference).abs().max() < 0.1 * reference.abs().max()
+    assert bool(report.quantized) == (quantize is not None)
+
+
+def test_the_plan_reads_stored_bytes_and_the_estimate_counts_the_dequantized_tensor(tiny_gguf):
+    path = tiny_gguf["Q4_0"]
+    model = _meta_llama(path)
+    conversion = gguf_to_transformers(path, model)
+    options = LoadOptions(key_map=conversion.key_map, transform=conversion.transform, dtype=torch.bfloat16)
+    with Checkpoint.open(path) as ckpt:
+        prepared = prepare_load(model, ckpt.records, options)
+        embedding = ckpt.records["token_embd.weight"]
+    assert prepared.plan.nbytes == sum(t.record.nbytes for t in prepared.plan.targets)
+    est = estimate_prepared(prepared, model="tiny", dtype=torch.bfloat16, batch_size=1, max_seq_length=16,
+                            prompt_length=4, with_caches=False)
+    assert est.load_transient >= embedding.tensor_nbytes + DEQUANTIZE_WORKSPACE  # read as float32, then cast
+    assert est.weights == sum(p.numel() * 2 for p in model.parameters())
+
+
+def test_a_family_transformers_only_renames_needs_no_transform(tiny_gguf, read_recorder, monkeypatch):
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+
+    from lightning_lowmem import GGUFConversion
+
+    path = tiny_gguf["Q8_0"]
+    model = _meta_llama(path)
+    llama = gguf_to_transformers(path, model)
+    renamed_only = GGUFConversion(llama.names, TensorProcessor(), "qwen2")  # as for a family with no processor
+    assert llama.transform is not None and renamed_only.transform is None
+    monkeypatch.setattr("lightning_lowmem.quantize.rows.CHUNK_ELEMENTS", 16 * 128)  # blocks of rows, tiny model
+    load_checkpoint(model, path, key_map=renamed_only.key_map, transform=renamed_only.transform,
+                    quantize="torchao.int8wo", dtype=torch.bfloat16, progress=False)
+    assert ("blk.0.ffn_down.weight", 0, 16) in read_recorder.rows  # quantized by blocks of rows, never whole
+    assert "blk.0.ffn_down.weight" not in read_recorder.whole
+
+
+def test_without_the_conversion_the_mismatch_names_the_gguf_keys(tiny_gguf):
+    model = _meta_llama(tiny_gguf["Q8_0"])
+    with pytest.raises(CheckpointMismatchError, match=r"blk\.0\.attn_k\.weight"):
+        load_checkpoint(model, tiny_gguf["Q8_0"], progress=False)
+
+
+def test_a_family_transformers_rebuilds_across_tensors_is_refused(tmp_path):
+    import gguf
+    import transformers
+
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with init_empty():
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=8))
+    with pytest.raises(CheckpointFormatError, match=r"gpt2\.gguf is a 'gpt2' GGUF file.*GPT2TensorProcessor"):
+        gguf_to_transformers(path, model)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        gguf_to_transformers(path, torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- peak memory, in fresh processes
+
+CHILD = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # imported before the blocks measured
+    import gguf, transformers.integrations.ggml, transformers.modeling_gguf_pytorch_utils
+    from lightning_lowmem import MemoryMonitor, init_empty, load_checkpoint
+    from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
+    method, path = sys.argv[1], Path(sys.argv[2])
+    with MemoryMonitor() as whole:
+        if method == "lowmem":
+            with init_empty():
+                model = LlamaForCausalLM(gguf_config(path))
+            conversion = gguf_to_transformers(path, model)
+            with MemoryMonitor() as load:
+                load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform,
+                                dtype=torch.bfloat16, progress=False)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.bfloat16)
+            load = whole
+    final = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(json.dumps({"peak": whole.usage.rss_peak_delta, "load": load.usage.rss_peak_delta, "final": final}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def large_gguf(tmp_path_factory, write_gguf):
+    """A 4-layer, 1024-dim Llama with a 16k vocabulary (77 M parameters: 147 MiB in bf16) as Q8_0, no vocabulary."""
+    path = tmp_path_factory.mktemp("large-gguf") / "large.Q8_0.gguf"
+    write_gguf(path, "Q8_0", hidden=1024, intermediate=2816, layers=4, heads=16, kv_heads=4, vocab=False,
+               vocab_size=16384, std=0.02)
+    return path
+
+
+@pytest.mark.slow
+def test_peak_is_the_final_model_plus_one_tensor_where_transformers_holds_it_all(large_gguf, child_env):
+    """Above the RSS after imports. Measured (2 shared cores): config, meta build and conversion +9 MiB, the load
+    +220 MiB for a 150 MiB bf16 model (bound 278 MiB: the model, the 64 MiB float32 embedding as read, 64 MiB);
+    transformers' from_pretrained(gguf_file=..., dtype=torch.bfloat16) +586 MiB."""
+    def run(method: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", CHILD, method, str(large_gguf)], capture_output=True, text=True,
+                              env=child_env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    ours, theirs = run("lowmem"), run("transformers")
+    assert ours["final"] == theirs["final"]
+    largest = 16384 * 1024 * 4  # the embedding (and the head), dequantized to float32 as read
+    assert ours["load"] <= ours["final"] + largest + 64 * 2**20, (ours, theirs)
+    assert ours["peak"] < theirs["peak"], (ours, theirs)
