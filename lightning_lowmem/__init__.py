@@ -21,7 +21,14 @@ import importlib
 from typing import Any
 
 from lightning_lowmem.dtypes import BF16FallbackWarning, assume_bf16_support, supports_bf16
-from lightning_lowmem.engine import LoadOptions, LoadReport, MemoryEstimate, load_checkpoint, placement_plan
+from lightning_lowmem.engine import (
+    LoadOptions,
+    LoadReport,
+    MemoryEstimate,
+    load_checkpoint,
+    placement_plan,
+    save_checkpoint,
+)
 from lightning_lowmem.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -120,6 +127,7 @@ __all__ = [
     "load_checkpoint",
     "patch_litgpt",
     "placement_plan",
+    "save_checkpoint",
     "sequential_offload",
     "setup_kv_cache",
     "supports_bf16",

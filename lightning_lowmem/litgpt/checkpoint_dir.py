@@ -7,6 +7,9 @@ Two layouts are read:
   ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
   litgpt's own conversion (:mod:`lightning_lowmem.litgpt.hf`) as it streams in;
   an output head that the checkpoint does not hold is tied to the embedding.
+  A checkpoint transformers saved quantized (bitsandbytes, torchao) loads as
+  stored, except the tensors litgpt fuses: their parts are dequantized, fused
+  and quantized again in the same scheme, one tensor at a time.
   The litgpt config comes from
   ``model_config.yaml`` when present, else from the directory's name, as
   ``litgpt convert_to_litgpt`` does.
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
-from lightning_lowmem.engine import LoadOptions, LoadReport
+from lightning_lowmem.engine import LoadOptions, LoadReport, stored_in
 from lightning_lowmem.errors import CheckpointNotFoundError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
@@ -88,7 +91,9 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     device = options.device or torch.device("cpu")
     dtype = options.dtype or torch.bfloat16
     with Checkpoint.open(checkpoint.weights) as ckpt:
-        conversion = hf_to_litgpt(checkpoint.config, ckpt.records) if looks_hf(ckpt.records) else None
+        conversion = None
+        if looks_hf(ckpt.records):  # learned on the weights' own shapes, those stored quantized included
+            conversion = hf_to_litgpt(checkpoint.config, stored_in(ckpt, options).logical_records(ckpt.records))
         if conversion is not None:
             options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine)
         # inference: a tensor the checkpoint lacks is an error, never a randomly initialized "adapter"
