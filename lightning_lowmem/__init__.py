@@ -22,7 +22,14 @@ import importlib
 from typing import Any
 
 from lightning_lowmem.dtypes import BF16FallbackWarning, assume_bf16_support, supports_bf16
-from lightning_lowmem.engine import LoadOptions, LoadReport, MemoryEstimate, load_checkpoint, placement_plan
+from lightning_lowmem.engine import (
+    LoadOptions,
+    LoadReport,
+    MemoryEstimate,
+    load_checkpoint,
+    placement_plan,
+    save_checkpoint,
+)
 from lightning_lowmem.errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -125,6 +132,7 @@ __all__ = [
     "load_checkpoint",
     "patch_litgpt",
     "placement_plan",
+    "save_checkpoint",
     "save_timeline",
     "sequential_offload",
     "setup_kv_cache",

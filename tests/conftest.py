@@ -620,6 +620,88 @@ def quant_linears(quant_config, meta_gpt):
     return names
 
 
+# ---------------------------------------------------------------- pre-quantized checkpoints, as transformers writes them
+
+PREQUANTIZED = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8", "torchao.int8wo", "torchao.int8dq"]
+"""The schemes whose checkpoints transformers writes and reads on CPU here (bitsandbytes 0.50, torchao 0.18)."""
+
+
+def _transformers_quantization(scheme: str):
+    """transformers' quantization config for ``scheme`` (bf16 compute, as ``quant_load`` loads)."""
+    import transformers
+
+    if scheme.startswith("torchao."):
+        import torchao.quantization as torchao_q
+
+        config = {"torchao.int8wo": torchao_q.Int8WeightOnlyConfig,
+                  "torchao.int8dq": torchao_q.Int8DynamicActivationInt8WeightConfig}[scheme]()
+        return transformers.TorchAoConfig(config)
+    if scheme == "bnb.int8":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=scheme[4:7],
+                                           bnb_4bit_use_double_quant=scheme.endswith("-dq"),
+                                           bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def hf_prequantized(tmp_path_factory, write_hf_dir):
+    """``hf_prequantized(scheme, family="llama-gqa")``: a tiny HF model (128 dims, 2 layers) of ``family`` saved in
+    full precision, loaded by transformers' ``from_pretrained`` with ``scheme``'s quantization config (bf16, on CPU)
+    and saved again by ``save_pretrained``; returns the directory, with ``model_config.yaml`` and a tokenizer. Each
+    (scheme, family) is written once per session."""
+    import shutil
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(scheme: str, family: str = "llama-gqa") -> Path:
+        if (scheme, family) not in made:
+            import transformers
+
+            root = tmp_path_factory.mktemp(f"hf-{scheme}")
+            write_hf_dir(root / "full", family, hidden=128)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    root / "full", quantization_config=_transformers_quantization(scheme), dtype=torch.bfloat16,
+                    device_map="cpu")
+                model.save_pretrained(root / "quantized")
+            for name in ("model_config.yaml", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(root / "full" / name, root / "quantized" / name)
+            made[(scheme, family)] = root / "quantized"
+        return made[(scheme, family)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def meta_hf_model():
+    """``meta_hf_model(directory)``: the transformers model of ``directory``'s ``config.json`` built under
+    ``init_empty()`` in bf16, in eval mode (bitsandbytes' CPU kernels differ between train and eval mode)."""
+    def build(directory: Path) -> nn.Module:
+        import transformers
+
+        from lightning_lowmem import init_empty
+
+        config = transformers.AutoConfig.from_pretrained(directory)
+        with init_empty():
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_from_pretrained():
+    """``hf_from_pretrained(directory)``: transformers' own ``from_pretrained`` of ``directory`` on CPU, in eval mode."""
+    def load(directory: Path) -> nn.Module:
+        import transformers
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu").eval()
+
+    return load
+
+
 # ---------------------------------------------------------------- fresh-process measurements
 
 @pytest.fixture(scope="session")

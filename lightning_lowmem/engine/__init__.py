@@ -4,15 +4,17 @@
 headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
-decision to say what a load and a generation will need. Every face (the Lightning
+decision to say what a load and a generation will need; ``save`` is ``save_checkpoint``,
+the way back. Every face (the Lightning
 strategy and callback, the litgpt helpers) goes through here.
 """
 
 from lightning_lowmem.engine.estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared
 from lightning_lowmem.engine.load import load_checkpoint, load_prepared, run_load
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load
+from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load, stored_in
 from lightning_lowmem.engine.report import LoadReport
+from lightning_lowmem.engine.save import ModuleState, module_state, save_checkpoint
 
 __all__ = [
     "CPU_RUNTIME",
@@ -20,12 +22,16 @@ __all__ = [
     "LoadOptions",
     "LoadReport",
     "MemoryEstimate",
+    "ModuleState",
     "PreparedLoad",
     "estimate_prepared",
     "load_checkpoint",
     "load_prepared",
+    "module_state",
     "opened",
     "placement_plan",
     "prepare_load",
     "run_load",
+    "save_checkpoint",
+    "stored_in",
 ]

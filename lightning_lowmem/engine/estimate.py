@@ -20,7 +20,9 @@
                    element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
                    a scheme that quantizes whole weights, the cast weight + what quantizing it
                    holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
-                   qkv) adds itself and its parts; a tensor stored block-quantized (GGUF) is read
+                   qkv) adds itself and its parts (stored quantized: and their dequantized
+                   values); a weight stored quantized, loaded as it is, nothing on CPU (its
+                   parts are the final tensors); a tensor stored block-quantized (GGUF) is read
                    as float32 and adds the dequantization's workspace (``DEQUANTIZE_WORKSPACE``);
                    plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
@@ -133,12 +135,14 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     """The estimate of ``prepared``: weights and load transient from its plan, caches and activations from
     the module's architecture (``with_caches``), the placement it carries.
     """
-    scheme = prepared.options.scheme
+    selection = prepared.selection  # with a pre-quantized checkpoint: the scheme the file holds
+    scheme = selection.scheme if selection is not None else prepared.options.scheme
+    requantized = {selection.chosen[name] for name in selection.requantized} if selection is not None else set()
     est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement)
     for target in prepared.plan.targets:
-        _add_target(est, target)
+        _add_target(est, target, requantized=target.names[0] in requantized)
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
     if prepared.plan.missing:
@@ -151,12 +155,14 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     return est
 
 
-def _add_target(est: MemoryEstimate, target: Target) -> None:
-    """Count ``target``'s bytes, and the transient of streaming it in."""
+def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False) -> None:
+    """Count ``target``'s bytes, and the transient of streaming it in (``requantized``: built from stored quantized
+    parts, which are held dequantized, about its own cast size, while it is built)."""
     numel = target.record.numel
     read_itemsize, cast = target.record.dtype.itemsize, target.cast_nbytes
     read = numel * read_itemsize if target.record.dtype != target.dtype else 0  # as read, beside its cast copy
     parts = sum(p.tensor_nbytes for p in target.parts)  # the parts of a combined tensor are held while it is built
+    parts += cast if requantized else 0
     decode = DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
     est.params += numel
     est.weights += target.final_nbytes
@@ -167,6 +173,9 @@ def _add_target(est: MemoryEstimate, target: Target) -> None:
     est.quantized_params += numel
     est.quantized_weights += target.final_nbytes
     est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
+    if target.stored is not None:  # loaded as stored: on CPU the parts read are the final tensors
+        est.load_transient = max(est.load_transient, parts if target.device.type != "cpu" else 0)
+        return
     if scheme.by_rows:  # blocks of rows, each read, cast and quantized on its own
         block = min(numel, CHUNK_ELEMENTS)
         whole = read + cast + parts if parts else 0  # a tensor combined from parts is built whole first

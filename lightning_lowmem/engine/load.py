@@ -20,7 +20,7 @@ from torch import nn
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load
+from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load, stored_in
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
@@ -109,7 +109,8 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, opened(checkpoint) as ckpt:
-        prepared = prepare_load(module, ckpt.records, options, files=ckpt.description, check_keys=on_plan is None)
+        prepared = prepare_load(module, ckpt.records, options, files=ckpt.description, check_keys=on_plan is None,
+                                stored=stored_in(ckpt, options))
         snapshot = Snapshot(module)
         try:
             if on_plan is not None:
@@ -154,7 +155,7 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
                         key_note=plan.prefix_note, placement=prepared.placement)
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.tensors, report.bytes_read, report.mapped = stream(
-        module, ckpt, plan, quantizer, transform=options.transform, combine=options.combine,
+        module, ckpt, plan, quantizer, transform=options.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
@@ -165,6 +166,7 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
         report.offload = dispatch(module, prepared.placement)
     if quantizer is not None:
         report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
+        report.prequantized, report.requantized = quantizer.prequantized, quantizer.requantized
         report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
     return report
 

@@ -2,7 +2,8 @@
 
 ::
 
-    records (headers) -> make_plan -> select_linears (marks quantized targets)
+    records (headers) -> [find_stored: weights the file holds quantized] -> make_plan
+                      -> select_linears, or mark_stored for a pre-quantized file (marks quantized targets)
                       -> place_layers (with max_memory: each target's device)
 
 The loader streams what :func:`prepare_load` decided; :func:`placement_plan` and
@@ -25,6 +26,7 @@ from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan, module_records
 from lightning_lowmem.quantize import Selection, select_linears
+from lightning_lowmem.quantize.stored import StoredWeights, find_stored, mark_stored
 
 
 @dataclass
@@ -36,9 +38,11 @@ class PreparedLoad:
         options: the load options.
         plan: every tensor to load; ``Target.scheme`` marks the quantized weights and ``Target.device``
             is where each goes (the placement's decision with ``max_memory``).
-        selection: which Linears are quantized and why the others are not (None without ``quantize``).
+        selection: which Linears are quantized and why the others are not (None without ``quantize`` and
+            without weights stored quantized).
         placement: the placement plan (None without ``max_memory``).
         device: where buffers and caches go: the execution device, else ``options.device``, else CPU.
+        combine: ``options.combine``, reading the weights stored quantized it names through their parts.
     """
 
     module: nn.Module
@@ -47,11 +51,18 @@ class PreparedLoad:
     selection: Selection | None = None
     placement: PlacementPlan | None = None
     device: torch.device = torch.device("cpu")
+    combine: Combine | None = None
+
+
+def stored_in(ckpt: Checkpoint, options: LoadOptions) -> StoredWeights:
+    """The weights ``ckpt`` holds already quantized, checked against ``options.quantize`` before anything is read
+    (see :func:`~lightning_lowmem.quantize.stored.find_stored`)."""
+    return find_stored(ckpt.records, ckpt.metadata, ckpt.read, requested=options.scheme, files=ckpt.description)
 
 
 def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options: LoadOptions, *,
-                 files: str = "the checkpoint", check_keys: bool = True, kv_cache_bytes: int | None = None,
-                 activation_bytes: int | None = None) -> PreparedLoad:
+                 files: str = "the checkpoint", check_keys: bool = True, stored: StoredWeights | None = None,
+                 kv_cache_bytes: int | None = None, activation_bytes: int | None = None) -> PreparedLoad:
     """Plan the load of ``records`` into ``module`` under ``options``; reads no weight.
 
     Args:
@@ -61,6 +72,8 @@ def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options
         files: the checkpoint's files, for messages.
         check_keys: apply ``options.strict`` to missing and unexpected keys now; False leaves that to
             the caller (``plan.check_keys``), which may allow some missing tensors (added adapters).
+        stored: the weights the checkpoint holds already quantized (:func:`stored_in`): they load as stored,
+            and ``options.quantize`` quantizes nothing else.
         kv_cache_bytes, activation_bytes: with ``max_memory``, what the execution device reserves for caches
             and activations instead of the model architecture's estimates.
 
@@ -68,12 +81,15 @@ def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options
         CheckpointMismatchError: shapes differ, or (strict) keys are missing or unexpected.
         MemoryBudgetError: ``max_memory`` cannot hold the model.
     """
+    combine = stored.expand(options.combine) if stored else options.combine
     plan = make_plan(module, records, key_map=options.key_map, dtype=options.dtype, device=options.device,
-                     combine=options.combine, files=files)
+                     combine=combine, stored=stored.weights if stored else None, files=files)
     if check_keys:
         plan.check_keys(strict=options.strict is not False)
-    prepared = PreparedLoad(module, options, plan, device=options.device or torch.device("cpu"))
-    if options.scheme is not None:
+    prepared = PreparedLoad(module, options, plan, device=options.device or torch.device("cpu"), combine=combine)
+    if stored:
+        prepared.selection = mark_stored(module, plan, stored)
+    elif options.scheme is not None:
         prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize)
     if options.budgets is not None:
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
@@ -162,12 +178,14 @@ def placement_plan(
         raise ValueError("placement_plan needs max_memory (here or in options), "
                          "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")
     with contextlib.ExitStack() as stack:
+        stored = None
         if checkpoint is None:
             records = module_records(module)
         elif isinstance(checkpoint, Mapping):
             records = dict(checkpoint)
         else:
-            records = stack.enter_context(opened(checkpoint)).records
-        prepared = prepare_load(module, records, options, kv_cache_bytes=kv_cache_bytes,
+            ckpt = stack.enter_context(opened(checkpoint))
+            records, stored = ckpt.records, stored_in(ckpt, options)
+        prepared = prepare_load(module, records, options, stored=stored, kv_cache_bytes=kv_cache_bytes,
                                 activation_bytes=activation_bytes)
     return prepared.placement

@@ -26,9 +26,13 @@ class LoadReport:
         missing: module tensors not in the checkpoint (``strict=False``).
         recomputed: non-persistent buffers rebuilt after the load.
         key_note: the key prefix that was guessed, if any.
-        quantized: quantized module name -> scheme.
-        left_out: ``nn.Linear`` module name -> why it stayed in full precision (``quantize`` only).
-        quantized_bytes_before / quantized_bytes_after: those modules' weight bytes.
+        quantized: quantized module name -> scheme: every module holding a quantized weight after the load.
+        prequantized: those whose weight the checkpoint holds quantized, loaded as stored (nothing quantized).
+        requantized: those whose weight is built from several weights the checkpoint holds quantized (an HF
+            checkpoint's q, k, v into litgpt's qkv): dequantized, combined and quantized again.
+        left_out: ``nn.Linear`` module name -> why it stayed in full precision.
+        quantized_bytes_before / quantized_bytes_after: the weight bytes of the modules quantized during the
+            load (not those loaded as stored).
         mapped: the tensors are views of the file's mapped pages (``mmap=True`` on a load that casts,
             moves and quantizes nothing), not copies.
         placement: the placement plan (``max_memory`` only).
@@ -47,6 +51,8 @@ class LoadReport:
     recomputed: list[str] = field(default_factory=list)
     key_note: str = ""
     quantized: dict[str, str] = field(default_factory=dict)
+    prequantized: dict[str, str] = field(default_factory=dict)
+    requantized: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     quantized_bytes_before: int = 0
     quantized_bytes_after: int = 0
@@ -61,9 +67,14 @@ class LoadReport:
             f"{format_bytes(self.bytes_loaded)} in the model) from {where} in {self.seconds:.2f} s",
             f"  memory: {self.memory.summary()}",
         ]
-        if self.quantized:
-            schemes = sorted(set(self.quantized.values()))
-            lines.append(f"  quantized {len(self.quantized)} modules with {', '.join(schemes)}: "
+        if self.prequantized:
+            schemes = sorted(set(self.prequantized.values()))
+            lines.append(f"  loaded {len(self.prequantized)} modules quantized as stored ({', '.join(schemes)})")
+        quantized = {n: s for n, s in self.quantized.items() if n not in self.prequantized}
+        if quantized:
+            schemes = sorted(set(quantized.values()))
+            again = f" ({len(self.requantized)} rebuilt from stored quantized parts)" if self.requantized else ""
+            lines.append(f"  quantized {len(quantized)} modules with {', '.join(schemes)}{again}: "
                          f"{format_bytes(self.quantized_bytes_before)} -> {format_bytes(self.quantized_bytes_after)}")
         if self.left_out:
             lines.append("  kept in full precision: " + format_names(

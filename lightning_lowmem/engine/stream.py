@@ -4,6 +4,7 @@
 
     for each target:  read it alone [or its parts, combined | or a block of rows at a time]
                       -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
+                      [a weight stored quantized: its parts read -> into its scheme's module as they are]
 
 Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
 and the result). On an error the caller puts the module back as it was (``engine.load``).
@@ -60,11 +61,14 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     return tensors, nbytes, reads.mapped
 
 
-def _install(module: nn.Module, target: Target, tensor: torch.Tensor | RowSource, quantizer: Quantizer | None,
-             transform: Transform | None) -> None:
+def _install(module: nn.Module, target: Target, tensor: torch.Tensor | RowSource | dict[str, torch.Tensor],
+             quantizer: Quantizer | None, transform: Transform | None) -> None:
     """Put what was read for ``target`` into ``module``: quantized (a marked weight) or cast, moved and assigned."""
     if isinstance(tensor, RowSource):
         quantizer.load(module, target, tensor)  # cast and moved block by block already
+        return
+    if isinstance(tensor, dict):  # the parts of a weight stored quantized: into its module as they are
+        quantizer.load_stored(module, target, tensor)
         return
     if transform is not None:
         tensor = transform(target.names[0], tensor)
@@ -111,11 +115,13 @@ class _Reads:
         return not target.parts and (target.dtype != target.record.dtype or target.device.type != "cpu"
                                      or target.scheme is not None)
 
-    def read(self, target: Target) -> torch.Tensor | RowSource:
+    def read(self, target: Target) -> torch.Tensor | RowSource | dict[str, torch.Tensor]:
         if self.mapped:
             tensor = self.ckpt.map(target.record.key)
             if tensor is not None:
                 return tensor
+        if target.stored is not None:
+            return {p.key: self.ckpt.read(p.key) for p in target.parts}
         if target.parts:
             return _read_combined(self.parts, target, self.combine)
         if self.by_rows(target):

@@ -110,6 +110,15 @@ class Checkpoint:
         return format_names(self.paths, limit=3, quote=False)
 
     @property
+    def metadata(self) -> dict[str, str]:
+        """Every file's metadata (a safetensors header's ``__metadata__``) together; a sharded set repeats it in
+        each file, and a key two files give different values keeps the last file's."""
+        merged: dict[str, str] = {}
+        for f in self.files:
+            merged.update(f.metadata())
+        return merged
+
+    @property
     def entry(self) -> str:
         """The entry a torch file's state dict was found under (``state_dict``, ``model``) or ``''``."""
         return next((f.entry for f in self.files if getattr(f, "entry", "")), "")

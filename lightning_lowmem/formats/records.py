@@ -69,6 +69,10 @@ class CheckpointFile(Protocol):
 
     def records(self) -> dict[str, TensorRecord]: ...
 
+    def metadata(self) -> dict[str, str]:
+        """Text the file keeps beside its tensors (a safetensors header's ``__metadata__``)."""
+        ...
+
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """A new CPU tensor with the stored data, sharing memory with nothing else (or ``out``, filled)."""
         ...

@@ -41,6 +41,7 @@ class SafetensorsFile(OpenedFile):
         try:
             with safe_open(str(path), framework="pt", device="cpu", backend="pread") as handle:
                 self._records = {key: self._record(handle, key) for key in handle.keys()}
+                self._metadata = dict(handle.metadata() or {})
         except CheckpointFormatError:
             raise
         except Exception as e:  # safetensors raises its own SafetensorError type
@@ -68,6 +69,10 @@ class SafetensorsFile(OpenedFile):
 
     def records(self) -> dict[str, TensorRecord]:
         return self._records
+
+    def metadata(self) -> dict[str, str]:
+        """The header's ``__metadata__`` (str -> str, checked by ``safe_open``); empty when it has none."""
+        return self._metadata
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         record = self._records[key]

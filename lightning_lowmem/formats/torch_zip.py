@@ -240,6 +240,14 @@ class TorchZipFile(OpenedFile):
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 
+    def metadata(self) -> dict[str, str]:
+        """The state dict's ``__metadata__`` entry when it maps str to str (what a safetensors header's
+        ``__metadata__`` holds, kept beside the tensors of a torch file); else empty."""
+        value = self._state.get("__metadata__")
+        if isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return dict(value)
+        return {}
+
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self._read(self._locations[key], out, key)
 

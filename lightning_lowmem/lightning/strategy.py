@@ -32,7 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lowmem.engine import LoadOptions, LoadReport, opened
+from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.load import load_into
@@ -45,6 +45,7 @@ from lightning_lowmem.lightning.state import (
 from lightning_lowmem.meta import check_meta_at_first_forward, has_meta, init_empty
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import Combine, KeyMap
+from lightning_lowmem.quantize import scheme_of
 
 
 _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path, model) or fabric.load), or, for "
@@ -70,6 +71,10 @@ class LowMemStrategy(SingleDeviceStrategy):
     * The checkpoint is opened once: its headers give the plan and, for ``fabric.load``, the other
       entries (optimizer state, counters) without reading the weights; then the weights are read.
       The weights' entry is not returned in ``fabric.load``'s remainder.
+    * ``fabric.save(path, {"model": model, ...})`` of a model holding quantized layers writes the model's entry
+      as :func:`~lightning_lowmem.save_checkpoint` writes its tensors (the layout transformers saves, not
+      dequantized) and the safetensors metadata as a dict under ``"__metadata__"``, in one ``torch.save``
+      file as Lightning writes it; ``fabric.load`` reads the quantized weights back as stored.
 
     Args:
         device: the device; default: ``options.device``, else the one Fabric's ``accelerator``/``devices``
@@ -171,6 +176,15 @@ class LowMemStrategy(SingleDeviceStrategy):
     @override
     def module_to_device(self, module: nn.Module) -> None:
         module_to_device_skipping_meta(module, self.root_device)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """A model holding quantized layers: the tensors :func:`~lightning_lowmem.save_checkpoint` writes, and its
+        metadata (str -> str) under ``"__metadata__"``; any other model: Lightning's ``state_dict()``."""
+        if not any(scheme_of(m) is not None for m in module.modules()):
+            return super().get_module_state_dict(module)
+        state = module_state(module)
+        return {**state.materialized(), "__metadata__": state.metadata}
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

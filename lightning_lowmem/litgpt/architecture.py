@@ -8,6 +8,9 @@ holding one (a ``LightningModule`` with ``self.model = GPT(...)``).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -73,6 +76,17 @@ class LitgptArchitecture(Architecture):
         rope = {f"{name}.{table}" if name else table for name, sub in module.named_modules() if is_litgpt_like(sub)
                 for table in ("cos", "sin")}
         return rope | super().fills(module)
+
+
+    def save_config(self, module: nn.Module, directory: Path, quantization_config: dict[str, Any] | None) -> list[Path]:
+        """``model_config.yaml`` as litgpt writes it, for a ``GPT`` saved as itself: the directory then loads with
+        :func:`~lightning_lowmem.generate` (which reads the scheme from the weights)."""
+        if not is_litgpt_like(module):
+            return []
+        from litgpt.utils import save_config
+
+        save_config(module.config, directory)
+        return [directory / "model_config.yaml"]
 
 
 def _gpt(module: nn.Module) -> nn.Module | None:

@@ -6,7 +6,10 @@ Three layouts are read:
 * HF's: ``model.safetensors`` (or a sharded ``*.index.json`` set, or
   ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
   litgpt's own conversion (:mod:`lightning_lowmem.litgpt.hf`) as it streams in;
-  an output head that the checkpoint does not hold is tied to the embedding;
+  an output head that the checkpoint does not hold is tied to the embedding.
+  A checkpoint transformers saved quantized (bitsandbytes, torchao) loads as
+  stored, except the tensors litgpt fuses: their parts are dequantized, fused
+  and quantized again in the same scheme, one tensor at a time;
 * a GGUF file (``model.Q4_0.gguf``, or a directory holding one): dequantized as it is
   read, converted by transformers' GGUF code and then litgpt's
   (:mod:`lightning_lowmem.litgpt.gguf`); config and tokenizer from the file.
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
-from lightning_lowmem.engine import LoadOptions, LoadReport
+from lightning_lowmem.engine import LoadOptions, LoadReport, stored_in
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
@@ -110,7 +113,7 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     device = options.device or torch.device("cpu")
     dtype = options.dtype or torch.bfloat16
     with Checkpoint.open(checkpoint.weights) as ckpt:
-        conversion = _conversion(checkpoint, ckpt)
+        conversion = _conversion(checkpoint, ckpt, options)
         if conversion is not None:
             options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
                                         transform=getattr(conversion, "transform", None))
@@ -126,11 +129,14 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     return model.eval(), strategy.reports[-1]
 
 
-def _conversion(checkpoint: LitgptCheckpoint, ckpt: Checkpoint) -> Any | None:
+def _conversion(checkpoint: LitgptCheckpoint, ckpt: Checkpoint, options: LoadOptions) -> Any | None:
     """How the checkpoint's tensors become litgpt's: GGUF or HF conversion, or None (litgpt's own keys)."""
     if checkpoint.gguf is not None:
         return gguf_to_litgpt(checkpoint.config, ckpt, checkpoint.gguf.hf_config)
-    return hf_to_litgpt(checkpoint.config, ckpt.records) if looks_hf(ckpt.records) else None
+    if not looks_hf(ckpt.records):
+        return None
+    # learned on the weights' own shapes, those stored quantized included
+    return hf_to_litgpt(checkpoint.config, stored_in(ckpt, options).logical_records(ckpt.records))
 
 
 def _is_gguf(path: Path) -> bool:

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.engine import CPU_RUNTIME, LoadOptions, MemoryEstimate, estimate_prepared, prepare_load
+from lightning_lowmem.engine import (
+    CPU_RUNTIME,
+    LoadOptions,
+    MemoryEstimate,
+    estimate_prepared,
+    prepare_load,
+    stored_in,
+)
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near
@@ -25,6 +32,7 @@ from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
+from lightning_lowmem.quantize.stored import StoredWeights
 
 
 def estimate_memory(
@@ -77,11 +85,11 @@ def estimate_memory(
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
     dtype = options.dtype or torch.bfloat16
     options = LoadOptions.merge(options, dtype=dtype)
-    model, records, name, files, conversion = _model_and_records(source, config, dtype)
+    model, records, name, files, conversion, stored = _model_and_records(source, config, dtype, options)
     if model is None:
-        model = stand_in_module(records)
+        model = stand_in_module(stored.logical_records(records))
     elif options.key_map is None and (conversion is not None or looks_hf(records)):
-        conversion = conversion or hf_to_litgpt(model.config, records)
+        conversion = conversion or hf_to_litgpt(model.config, stored.logical_records(records))
         conversion.tie(model)  # as the load does
         options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
                                     transform=getattr(conversion, "transform", None))
@@ -93,7 +101,7 @@ def estimate_memory(
     if options.budgets is not None and not is_litgpt:
         raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
     options = LoadOptions.merge(options, context=length or None)
-    prepared = prepare_load(model, records, options, files=files, check_keys=False)
+    prepared = prepare_load(model, records, options, files=files, check_keys=False, stored=stored)
     est = estimate_prepared(prepared, model=name, dtype=dtype, batch_size=options.batch_size, max_seq_length=length,
                             prompt_length=prompt_length or length, runtime=runtime, with_caches=is_litgpt)
     if not is_litgpt:
@@ -102,26 +110,26 @@ def estimate_memory(
     return est
 
 
-def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype
-                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None]:
-    """The meta-built litgpt model (None without a config), the records to plan from, a name, the files, and
-    a GGUF file's conversion (None for other checkpoints)."""
+def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype, options: LoadOptions
+                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None, StoredWeights]:
+    """The meta-built litgpt model (None without a config), the records to plan from, a name, the files, a GGUF
+    file's conversion (None for other checkpoints) and the weights the checkpoint holds already quantized."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
         records = {n: TensorRecord(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
-        return model, records, source.name, f"the config {source.name!r}", None
+        return model, records, source.name, f"the config {source.name!r}", None, StoredWeights()
     conversion = None
     with Checkpoint.open(source) as ckpt:
-        records, files = dict(ckpt.records), ckpt.description
+        records, files, stored = dict(ckpt.records), ckpt.description, stored_in(ckpt, options)
         if ckpt.gguf is not None:  # the config and the conversion from the file, as generate() makes them
             found = read_gguf_source(ckpt, tokenizer=False)
             config = config or litgpt_config(found.hf_config, found.names)
             conversion = gguf_to_litgpt(config, ckpt, found.hf_config)
     config = config or config_near(Path(source))
     model = build_meta_gpt(config) if config is not None else None
-    return model, records, getattr(config, "name", "") or str(source), files, conversion
+    return model, records, getattr(config, "name", "") or str(source), files, conversion, stored
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

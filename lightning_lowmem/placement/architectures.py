@@ -15,6 +15,8 @@ The engine knows no model family by name: the litgpt face registers litgpt's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -107,6 +109,12 @@ class Architecture:
     def after_load(self, module: nn.Module, device: torch.device) -> list[str]:
         """Make real on ``device`` what :meth:`fills` names; returns their names."""
         return recompute_meta_buffers(module, device)
+
+    def save_config(self, module: nn.Module, directory: Path, quantization_config: dict[str, Any] | None) -> list[Path]:
+        """Write what the family needs beside the weights to build ``module`` again from ``directory`` (its config,
+        with ``quantization_config`` where the family's loader reads one); returns the files written. Nothing
+        for a generic module."""
+        return []
 
 
 def _width(module: nn.Module) -> int:

@@ -8,13 +8,22 @@ streaming loop, the placement plan and the estimate all read it.
 from lightning_lowmem.plan.combine import Combine
 from lightning_lowmem.plan.gguf import GGUFConversion, gguf_config, gguf_to_transformers
 from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
-from lightning_lowmem.plan.plan import LoadPlan, Target, apply_dtype_fallback, make_plan, module_records
+from lightning_lowmem.plan.plan import (
+    LoadPlan,
+    StoredForm,
+    Target,
+    apply_dtype_fallback,
+    make_plan,
+    module_records,
+    records_as_themselves,
+)
 
 __all__ = [
     "Combine",
     "GGUFConversion",
     "KeyMap",
     "LoadPlan",
+    "StoredForm",
     "Target",
     "apply_dtype_fallback",
     "apply_key_map",
@@ -23,4 +32,5 @@ __all__ = [
     "guess_prefix",
     "make_plan",
     "module_records",
+    "records_as_themselves",
 ]

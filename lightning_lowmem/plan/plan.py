@@ -37,6 +37,17 @@ class StoredSize(Protocol):
     def stored_nbytes(self, shape: tuple[int, ...]) -> int: ...
 
 
+class StoredForm(Protocol):
+    """A tensor a checkpoint holds in another form than itself (a weight stored quantized): the records it
+    is stored in, and a record of the tensor itself, whose shape the plan checks against the module's."""
+
+    @property
+    def record(self) -> TensorRecord: ...
+
+    @property
+    def parts(self) -> tuple[TensorRecord, ...]: ...
+
+
 @dataclass
 class Target:
     """One tensor of the module and where its data comes from.
@@ -48,8 +59,11 @@ class Target:
         is_parameter: parameter (True) or persistent buffer (False).
         dtype: the dtype it gets (before quantization).
         device: the device it goes to.
-        parts: the checkpoint records a ``Combine`` builds it from; empty: ``record`` is read.
+        parts: the checkpoint records a ``Combine`` builds it from, or those its stored form is made of;
+            empty: ``record`` is read.
         scheme: the quantization scheme its weight is stored in, or None (full precision).
+        stored: the form the checkpoint stores it in, when not as itself: its ``parts`` are read as they
+            are and handed to ``scheme`` together, never combined.
     """
 
     names: list[str]
@@ -59,6 +73,7 @@ class Target:
     device: torch.device
     parts: tuple[TensorRecord, ...] = ()
     scheme: StoredSize | None = None
+    stored: StoredForm | None = None
 
     @property
     def read_nbytes(self) -> int:
@@ -126,11 +141,14 @@ def make_plan(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     combine: Combine | None = None,
+    stored: Mapping[str, StoredForm] | None = None,
     files: str = "the checkpoint",
 ) -> LoadPlan:
     """Match ``module`` with the checkpoint ``records`` and decide dtype and device of each tensor.
 
     A module tensor that no checkpoint key maps to is built by ``combine`` when it names it.
+    A key of ``stored`` stands for a tensor held in several records (its parts): it is matched by its
+    form's own record, and its parts are neither matched nor unexpected (a ``combine`` may name them).
     Missing and unexpected keys are listed in the plan (:meth:`LoadPlan.check_keys` decides).
 
     Raises:
@@ -138,12 +156,13 @@ def make_plan(
     """
     groups = _module_tensors(module)
     by_name = {name: gid for gid, group in groups.items() for name in group.names}
-    prefix_note = ""
+    stored, prefix_note = stored or {}, ""
+    view = records_as_themselves(records, stored)
     if key_map is None:
-        key_map, prefix_note = guess_prefix(set(by_name), list(records))
+        key_map, prefix_note = guess_prefix(set(by_name), list(view))
         if prefix_note:
             log.info("Checkpoint keys do not match the module's; %s", prefix_note)
-    source, unexpected = _match_keys(records, key_map, by_name)
+    source, unexpected = _match_keys(view, key_map, by_name)
     plan = LoadPlan([], prefix_note=prefix_note, files=files)
     bad_shapes: list[str] = []
     used: set[str] = set()
@@ -163,9 +182,11 @@ def make_plan(
             bad_shapes.append(f"{rec.key!r} {origin}: checkpoint {list(rec.shape)}, "
                               f"module {names[0]!r} {list(tensor.shape)}")
         else:
+            form = stored.get(rec.key) if not parts else None
             plan.targets.append(Target(names, rec, is_param, _target_dtype(tensor, rec, dtype),
-                                       _target_device(tensor, device), parts))
-    plan.unexpected = [key for key in unexpected if key not in used]
+                                       _target_device(tensor, device), form.parts if form else parts, stored=form))
+    plan.unexpected = [key for key in unexpected if key not in used
+                       and not (key in stored and used.intersection(p.key for p in stored[key].parts))]
     if bad_shapes:
         raise CheckpointMismatchError(
             f"{len(bad_shapes)} tensors of {files} do not have the module's shape: "
@@ -173,6 +194,15 @@ def make_plan(
             "configuration: build the module with the config the checkpoint was saved with."
         )
     return plan
+
+
+def records_as_themselves(records: Mapping[str, TensorRecord], stored: Mapping[str, StoredForm]) -> dict[str, TensorRecord]:
+    """``records`` with each stored form's parts replaced by a record of the tensor they stand for (the form's
+    own record, under its key)."""
+    if not stored:
+        return dict(records)
+    hidden = {p.key for form in stored.values() for p in form.parts}
+    return {**{k: r for k, r in records.items() if k not in hidden}, **{k: f.record for k, f in stored.items()}}
 
 
 class _Group(NamedTuple):

@@ -1,8 +1,10 @@
 """Quantization schemes: each ``nn.Linear`` weight quantized the moment it is read.
 
-``schemes`` holds the base class and the registry (a scheme also knows its own sizes),
-``bnb`` and ``torchao`` one file per library, ``selection`` the one rule that picks the
-Linears (marking the load plan), ``rows`` quantizing a block of rows at a time,
+``schemes`` holds the base class and the registry (a scheme also knows its own sizes
+and its stored layout), ``bnb`` and ``torchao`` one file per library (``bnb_layout`` and
+``torchao_layout``: their weights as transformers saves them), ``selection`` the one
+rule that picks the Linears (marking the load plan), ``stored`` checkpoints that hold
+weights already quantized, ``rows`` quantizing a block of rows at a time,
 ``quantizer`` the loader's side, ``nbytes`` what a quantized tensor really holds.
 
 Example::
@@ -25,6 +27,7 @@ from lightning_lowmem.quantize.quantizer import Quantizer, prepare_quantization
 from lightning_lowmem.quantize.schemes import (
     SCHEMES,
     QuantScheme,
+    StoredWeight,
     check_available,
     make_scheme,
     parse_scheme,
@@ -32,6 +35,7 @@ from lightning_lowmem.quantize.schemes import (
     schemes_available_on,
 )
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP, Selection, parse_skip, select_linears
+from lightning_lowmem.quantize.stored import StoredWeights, find_stored, mark_stored, scheme_of
 from lightning_lowmem.quantize.torchao import TorchaoInt4WeightOnly, TorchaoInt8Dynamic, TorchaoInt8WeightOnly
 
 __all__ = [
@@ -45,17 +49,22 @@ __all__ = [
     "QuantScheme",
     "Quantizer",
     "Selection",
+    "StoredWeight",
+    "StoredWeights",
     "TorchaoInt4WeightOnly",
     "TorchaoInt8Dynamic",
     "TorchaoInt8WeightOnly",
     "check_available",
+    "find_stored",
     "make_scheme",
+    "mark_stored",
     "module_nbytes",
     "parse_scheme",
     "parse_skip",
     "prepare_quantization",
     "register_scheme",
     "select_linears",
+    "scheme_of",
     "schemes_available_on",
     "tensor_nbytes",
 ]

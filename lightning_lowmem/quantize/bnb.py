@@ -20,15 +20,19 @@ weight on pythia-1b).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from lightning_lowmem.errors import CheckpointFormatError
+from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.memory.heap import trim_after_first_forward
+from lightning_lowmem.quantize import bnb_layout as layout
 from lightning_lowmem.quantize.rows import RowSource, map_rows
-from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
+from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, register_scheme
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 _MiB = 2**20
@@ -127,6 +131,57 @@ class Bnb4bit(BnbScheme):
         qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
         return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
 
+    # ---- saved and pre-quantized weights: transformers' layout (bnb_layout.py)
+
+    @classmethod
+    def holding(cls, module: nn.Module) -> QuantScheme | None:
+        if not _is_bnb(module, "Linear4bit", "LinearNF4", "LinearFP4"):
+            return None
+        state = getattr(module.weight, "quant_state", None)
+        if state is None:
+            return None
+        nested = state.original_nested if getattr(state, "packing_format_for_cpu", False) else state.nested
+        if (state.quant_type, nested) != (cls.quant_type, cls.double_quant):
+            return None
+        return cls(blocksize=state.blocksize, quant_storage=getattr(module.weight, "quant_storage", torch.uint8))
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return layout.state_dict_4bit(module)
+
+    @classmethod
+    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        def name_of(quant_type: str, nested: bool) -> str:
+            return next(name for name, c in SCHEMES.items() if issubclass(c, Bnb4bit)
+                        and (c.quant_type, c.double_quant) == (quant_type, nested))
+
+        return layout.find_4bit(records, name_of, files)
+
+    @classmethod
+    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        state = layout.resolve_4bit(stored, read)
+        try:
+            scheme = SCHEMES[stored.scheme_name](blocksize=state["blocksize"], quant_storage=stored.roles["weight"].dtype)
+        except ValueError as e:
+            raise CheckpointFormatError(f"{stored.where('quant_state')}: {e}") from e
+        layout.check_requested(stored, requested, scheme)
+        stored.scheme = scheme
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        layout.load_4bit(module, stored, tensors, device)
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return layout.dequantize_4bit(stored, tensors)
+
+    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                "bnb_4bit_quant_type": self.quant_type, "bnb_4bit_use_double_quant": self.double_quant,
+                "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch."),
+                "bnb_4bit_quant_storage": str(self.quant_storage).removeprefix("torch."),
+                "llm_int8_skip_modules": skip or None}
+
 
 @register_scheme("bnb.nf4")
 @dataclass(frozen=True)
@@ -199,6 +254,39 @@ class BnbInt8(BnbScheme):
         qweight, scales = map_rows(weight, quantize, lengths=(weight.shape[0], weight.shape[0]))
         module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
 
+    # ---- saved and pre-quantized weights: transformers' layout (bnb_layout.py)
+
+    @classmethod
+    def holding(cls, module: nn.Module) -> QuantScheme | None:
+        if not _is_bnb(module, "Linear8bitLt") or module.state.has_fp16_weights:
+            return None
+        return cls(threshold=module.state.threshold) if module.weight.dtype == torch.int8 else None
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return layout.state_dict_8bit(module)
+
+    @classmethod
+    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        return layout.find_8bit(records, cls.name, files)
+
+    @classmethod
+    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        layout.resolve_8bit(stored)
+        stored.scheme = requested if isinstance(requested, cls) else cls()  # the threshold is not stored: a run option
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        layout.load_8bit(module, stored, tensors, device)
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return layout.dequantize_8bit(stored, tensors)
+
+    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        return {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True,
+                "llm_int8_threshold": self.threshold, "llm_int8_skip_modules": skip or None}
+
 
 def trim_bnb_after_first_forward(model: nn.Module) -> None:
     """:func:`~lightning_lowmem.memory.heap.trim_after_first_forward` for ``model`` and every bitsandbytes module in it,
@@ -206,6 +294,11 @@ def trim_bnb_after_first_forward(model: nn.Module) -> None:
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             trim_after_first_forward(module)
+
+
+def _is_bnb(module: nn.Module, *names: str) -> bool:
+    """Whether ``module`` is one of bitsandbytes' module classes ``names`` (bitsandbytes is not imported)."""
+    return type(module).__name__ in names and type(module).__module__.startswith("bitsandbytes")
 
 
 def _adopt(new: nn.Module, old: nn.Linear) -> nn.Module:

@@ -8,6 +8,10 @@
                                                   # kernel check, Linear -> scheme's module (on meta)
     for each target read:  quantizer.load(module, target, tensor)  # True: quantized and installed
                            # (a RowSource instead of a tensor where quantizer.by_rows(target))
+                           quantizer.load_stored(module, target, parts)  # a weight stored quantized: as it is
+
+A pre-quantized checkpoint's selection comes from ``stored.mark_stored`` instead of ``select_linears``;
+each target carries its own scheme (the file's options), which is the one used.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ class Quantizer:
 
     Attributes:
         scheme: the scheme in use.
-        quantized: module name -> scheme name, for each weight quantized so far.
+        quantized: module name -> scheme name, for each module holding a quantized weight so far.
+        prequantized: those loaded as the checkpoint stores them (nothing quantized).
+        requantized: those built from weights the checkpoint stores quantized, then quantized again.
         left_out: module name -> why that ``nn.Linear`` stays in full precision.
-        bytes_before: full-precision bytes of the quantized weights (as read and cast).
+        bytes_before: full-precision bytes of the weights quantized during the load (as read and cast).
         bytes_after: their bytes once quantized (scales and other state included).
     """
 
@@ -47,10 +53,13 @@ class Quantizer:
         self.scheme = selection.scheme
         self.left_out = dict(selection.left_out)
         self.quantized: dict[str, str] = {}
+        self.prequantized: dict[str, str] = {}
+        self.requantized: dict[str, str] = {}
         self.bytes_before = 0
         self.bytes_after = 0
         self._modules = {weight: name for name, weight in selection.chosen.items()}  # weight name -> module name
         self._transposed = selection.transposed
+        self._requantize = selection.requantized
 
     def by_rows(self, target: Target) -> bool:
         """Whether ``target`` may be handed to :meth:`load` as a :class:`RowSource` (read a block at a time)."""
@@ -70,13 +79,27 @@ class Quantizer:
         if module_name in self._transposed:  # stored (in, out), as transformers' Conv1D holds it
             tensor = tensor.t().contiguous()
         self.bytes_before += tensor.nbytes
-        self.scheme.load_weight(owner, tensor)
+        target.scheme.load_weight(owner, tensor)
         self.bytes_after += tensor_nbytes(owner.weight)
-        self.quantized[module_name] = self.scheme.name
+        self.quantized[module_name] = target.scheme.name
+        if module_name in self._requantize:
+            self.requantized[module_name] = target.scheme.name
         if tensor.device.type == "cpu":  # what its first forward frees stays resident otherwise
             trim_after_first_forward(owner)
         release_free_heap(TRIM_AT)  # the previous weight and this one's temporaries: out of RSS, not only freed
         return True
+
+    def load_stored(self, module: nn.Module, target: Target, tensors: dict[str, torch.Tensor]) -> None:
+        """Put the parts of a weight the checkpoint holds quantized (``target.stored``; ``tensors`` by checkpoint
+        key, as read) into the module that owns it, as they are."""
+        module_name = self._modules[target.names[0]]
+        owner = module.get_submodule(module_name)
+        stored = target.stored
+        target.scheme.load_stored(owner, stored, {role: tensors[rec.key] for role, rec in stored.roles.items()},
+                                  target.device)
+        self.quantized[module_name] = self.prequantized[module_name] = target.scheme.name
+        if target.device.type == "cpu":
+            trim_after_first_forward(owner)
 
 
 def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan,
@@ -91,12 +114,14 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
             the missing package and the schemes that work there).
     """
     scheme = selection.scheme
-    check_available(scheme, device)
-    dtypes = {name: target.dtype for target in plan.targets for name in target.names}
+    targets = {name: target for target in plan.targets for name in target.names}
+    for checked in {scheme, *(targets[weight].scheme for weight in selection.chosen.values())}:
+        check_available(checked, device)
     for module_name, weight_name in selection.chosen.items():
         old = module.get_submodule(module_name)
         linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
-        new = scheme.replace(linear, dtypes[weight_name])
+        target = targets[weight_name]
+        new = target.scheme.replace(linear, target.dtype)
         if new is not old:
             parent, leaf = owner_of(module, module_name)
             setattr(parent, leaf, new)

@@ -47,14 +47,15 @@ Example::
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
 
 from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
+from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.quantize.rows import RowSource
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -111,6 +112,99 @@ class QuantScheme:
         reference to ``weight``: the loader frees it before reading the next tensor.
         """
         raise NotImplementedError
+
+    # ---- saved and pre-quantized weights (``stored.py`` has the whole story)
+
+    @classmethod
+    def holding(cls, module: nn.Module) -> QuantScheme | None:
+        """The scheme of this class that ``module`` holds its weight in (with the options it was quantized
+        with), or None. Cheap for modules of other libraries."""
+        return None
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """What ``module`` (holding its weight in this scheme) saves, by names relative to the module, in the
+        layout transformers saves for the same library."""
+        raise NotImplementedError
+
+    @classmethod
+    def file_metadata(cls, modules: Mapping[str, tuple[QuantScheme, nn.Module]]) -> dict[str, str]:
+        """What a checkpoint file's metadata must say about the quantized ``modules`` (name -> scheme, module,
+        every quantized module of the model) for this class's library to read them back; nothing by default."""
+        return {}
+
+    @classmethod
+    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        """The weights ``records`` hold already quantized in this class's library's layout, by key, from the
+        headers (and the file's metadata) alone; nothing is read."""
+        return {}
+
+    @classmethod
+    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        """Fill in ``stored.shape``, ``dtype`` and ``scheme`` and check its records against each other, reading
+        at most the few bytes the library keeps beside the weight (``read(key)``).
+
+        Raises:
+            CheckpointFormatError: the stored parts do not fit together, naming the key.
+            CheckpointMismatchError: ``requested`` stores weights with other options than the file.
+        """
+        raise NotImplementedError
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        """Put the stored ``tensors`` (by role, as read) into ``module`` (made by :meth:`replace`) on ``device``,
+        as they are."""
+        raise NotImplementedError
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The full-precision weight the stored ``tensors`` (by role) stand for; on meta, an empty one."""
+        raise NotImplementedError
+
+    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        """The ``quantization_config`` transformers reads a checkpoint of this scheme with, ``skip`` naming
+        the Linears kept in full precision; None when transformers cannot read it."""
+        return None
+
+
+@dataclass
+class StoredWeight:
+    """A weight a checkpoint holds already quantized, as its headers describe it.
+
+    Attributes:
+        key: the weight's name in the checkpoint (``<module>.weight``, before any key map); for torchao's
+            layout, which has no tensor of that name, the name its metadata gives it.
+        scheme_name: the scheme its layout says, from the keys (and metadata) alone.
+        roles: what each stored tensor is (``"weight"``, ``"absmax"``, ``"SCB"``, ``"qdata"``, ...) -> its record.
+        info: what the library keeps beside the tensors, parsed (a bitsandbytes quant state, torchao metadata).
+        shape: the weight's own shape, ``(out_features, in_features)``, once resolved.
+        dtype: the dtype it dequantizes to, once resolved.
+        scheme: the scheme object with the file's options, once resolved.
+    """
+
+    key: str
+    scheme_name: str
+    roles: dict[str, TensorRecord]
+    info: dict[str, Any] = field(default_factory=dict)
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    scheme: QuantScheme | None = None
+
+    @property
+    def parts(self) -> tuple[TensorRecord, ...]:
+        """The records read to load it, in the order of :attr:`roles`."""
+        return tuple(self.roles.values())
+
+    @property
+    def record(self) -> TensorRecord:
+        """A record of the weight itself (its own shape and dtype), named :attr:`key`."""
+        first = next(iter(self.roles.values()))
+        return TensorRecord(self.key, self.shape or (), self.dtype or first.dtype, first.file)
+
+    def where(self, role: str) -> str:
+        """``'<key>' in <file>``, for messages."""
+        rec = self.roles[role]
+        return f"{rec.key!r} in {rec.file}"
 
 
 SchemeT = TypeVar("SchemeT", bound=type[QuantScheme])
@@ -176,6 +270,22 @@ def parse_scheme(quantize: str | QuantScheme | None) -> QuantScheme | None:
         return make_scheme(quantize)
     raise TypeError(f"quantize must be a scheme name such as 'bnb.nf4' or a QuantScheme, "
                     f"got {type(quantize).__name__}: {quantize!r}.")
+
+
+def library_classes(method: str) -> list[type[QuantScheme]]:
+    """One registered class per distinct implementation of the classmethod ``method`` (one per library layout).
+
+    Example::
+
+        >>> [cls.__name__ for cls in library_classes("find_stored")]
+        ['BnbNF4', 'BnbInt8', 'TorchaoInt8WeightOnly']
+    """
+    seen: dict[object, type[QuantScheme]] = {}
+    for cls in SCHEMES.values():
+        function = getattr(cls, method).__func__
+        if function is not getattr(QuantScheme, method).__func__:
+            seen.setdefault(function, cls)
+    return list(seen.values())
 
 
 def schemes_available_on(device: torch.device) -> list[str]:

@@ -47,12 +47,17 @@ class Selection:
         chosen: module name -> name of its weight in the plan, for each Linear to quantize.
         left_out: module name -> why that Linear stays in full precision.
         transposed: the chosen modules whose weight is stored ``(in, out)`` (transformers' ``Conv1D``).
+        stored: the chosen modules whose weight the checkpoint holds quantized: loaded as stored.
+        requantized: the chosen modules whose weight is built from weights the checkpoint holds quantized:
+            dequantized, combined, quantized again.
     """
 
     scheme: QuantScheme
     chosen: dict[str, str] = field(default_factory=dict)
     left_out: dict[str, str] = field(default_factory=dict)
     transposed: set[str] = field(default_factory=set)
+    stored: set[str] = field(default_factory=set)
+    requantized: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from lightning_lowmem.formats import TensorRecord
+from lightning_lowmem.quantize import torchao_layout as layout
 from lightning_lowmem.quantize.rows import RowSource, map_rows
-from lightning_lowmem.quantize.schemes import QuantScheme, register_scheme
+from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, register_scheme
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,7 @@ class TorchaoScheme(QuantScheme):
         from torchao.quantization import quantize_
 
         config = self.config(weight.device)
-        layout: dict[str, Any] = {}
+        made: dict[str, Any] = {}
 
         def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
             with torch.device("meta"):
@@ -81,12 +84,63 @@ class TorchaoScheme(QuantScheme):
             block.weight = nn.Parameter(rows, requires_grad=False)
             quantize_(block, config)
             names, context = block.weight.__tensor_flatten__()
-            layout.update(cls=type(block.weight), names=names, context=context)
+            made.update(cls=type(block.weight), names=names, context=context)
             return [getattr(block.weight, name) for name in names]
 
         inner = map_rows(weight, quantize, lengths=weight.shape[0])
-        return layout["cls"].__tensor_unflatten__(dict(zip(layout["names"], inner, strict=True)), layout["context"],
-                                                  torch.Size(weight.shape), (weight.shape[1], 1))
+        return made["cls"].__tensor_unflatten__(dict(zip(made["names"], inner, strict=True)), made["context"],
+                                                torch.Size(weight.shape), (weight.shape[1], 1))
+
+    # ---- saved and pre-quantized weights: torchao's safetensors flattening (torchao_layout.py)
+
+    stored_type: ClassVar[str] = ""
+    """The torchao tensor subclass this scheme's weights are (``"Int8Tensor"``); empty: none is read as stored."""
+    activations_quantized: ClassVar[bool] = False
+
+    @classmethod
+    def holding(cls, module: nn.Module) -> QuantScheme | None:
+        weight = getattr(module, "weight", None)
+        if not cls.stored_type or type(weight).__name__ != cls.stored_type \
+                or not type(weight).__module__.startswith("torchao"):
+            return None
+        return cls() if (getattr(weight, "act_quant_kwargs", None) is not None) == cls.activations_quantized else None
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return layout.state_dict_torchao(module)
+
+    @classmethod
+    def file_metadata(cls, modules: Mapping[str, tuple[QuantScheme, nn.Module]]) -> dict[str, str]:
+        return layout.file_metadata({f"{name}.weight": module.weight for name, (scheme, module) in modules.items()
+                                     if isinstance(scheme, TorchaoScheme)})
+
+    @classmethod
+    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        def claim(kind: str, activations_quantized: bool) -> str | None:
+            return next((name for name, c in SCHEMES.items() if issubclass(c, TorchaoScheme) and c.stored_type
+                         and (c.stored_type, c.activations_quantized) == (kind, activations_quantized)), None)
+
+        return layout.find_torchao(records, metadata, claim, files)
+
+    @classmethod
+    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        layout.resolve_torchao(stored)
+        stored.scheme = SCHEMES[stored.scheme_name]()
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        layout.load_torchao(module, stored, tensors, device)
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return layout.dequantize_torchao(stored, tensors)
+
+    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        from torchao.core.config import config_to_dict
+
+        return {"quant_method": "torchao", "quant_type": {"default": config_to_dict(self.config(torch.device("cpu")))},
+                "quant_type_kwargs": {}, "modules_to_not_convert": skip or None,
+                "include_input_output_embeddings": False, "untie_embedding_weights": False}
 
 
 @register_scheme("torchao.int8wo")
@@ -95,6 +149,7 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
     """int8 weights, one scale per output row; activations stay in full precision."""
 
     by_rows: ClassVar[bool] = True
+    stored_type: ClassVar[str] = "Int8Tensor"
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""
@@ -112,6 +167,8 @@ class TorchaoInt8Dynamic(TorchaoScheme):
     """int8 weights (per row) and activations quantized to int8 per token at run time."""
 
     by_rows: ClassVar[bool] = True
+    stored_type: ClassVar[str] = "Int8Tensor"
+    activations_quantized: ClassVar[bool] = True
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""

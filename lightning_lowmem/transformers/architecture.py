@@ -11,9 +11,14 @@ that initialisation uses.
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
+from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.placement import Architecture, register_architecture
 
 
@@ -49,6 +54,19 @@ class TransformersArchitecture(Architecture):
             model.initialize_weights()
             rebuilt += [f"{prefix}.{name}" if prefix else name for name, _, _ in meta]
         return rebuilt + super().after_load(module, device)
+
+    def save_config(self, module: nn.Module, directory: Path, quantization_config: dict[str, Any] | None) -> list[Path]:
+        """``config.json`` as ``save_pretrained`` writes it (dtype, architectures and ``quantization_config``
+        filled in), for a ``PreTrainedModel`` saved as itself; the model's own config is left as it is."""
+        if not is_pretrained_model(module):
+            return []
+        config = copy.deepcopy(module.config)
+        config.dtype = str(model_dtype(module)).removeprefix("torch.")
+        config.architectures = [type(module).__name__]
+        if quantization_config is not None:
+            config.quantization_config = quantization_config
+        config.save_pretrained(directory)
+        return [directory / "config.json"]
 
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -57,3 +57,15 @@ def test_truncated_file(tmp_path, write_checkpoint, kind):
     with pytest.raises(CheckpointFormatError, match="truncated") as err:
         Checkpoint.open(path)
     assert str(path) in str(err.value)
+
+
+def test_metadata_of_safetensors_headers_and_of_a_torch_files_entry(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors", metadata={"format": "pt", "k": "v"})
+    torch.save({"model": {"w": torch.ones(2), "__metadata__": {"k": "v"}}, "step": 1}, tmp_path / "m.ckpt")
+    torch.save({"w": torch.ones(2), "__metadata__": {"k": 1}}, tmp_path / "bad.pt")  # not str -> str: none
+    with Checkpoint.open(tmp_path / "m.safetensors") as a, Checkpoint.open(tmp_path / "m.ckpt") as b, \
+            Checkpoint.open(tmp_path / "bad.pt") as c:
+        assert (a.metadata, b.metadata, c.metadata) == ({"format": "pt", "k": "v"}, {"k": "v"}, {})
+        assert list(b.records) == ["w"]

@@ -312,6 +312,33 @@ def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag, write_checkpoint, ti
         torch.testing.assert_close(again.eval()(x), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("scheme", "stored_as"), [("bnb.nf4", "weight.quant_state.bitsandbytes__nf4"),
+                                                   ("bnb.int8", "SCB"), ("torchao.int8wo", "_weight_qdata")])
+def test_fabric_save_of_a_quantized_model_keeps_it_quantized(tmp_path, quant_checkpoint, quant_config, forward_logits,
+                                                             scheme, stored_as):
+    from litgpt import GPT
+
+    def fabric_and_model(**options):
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LowMemStrategy(**options), precision="bf16-true")
+        with fabric.init_module():
+            model = GPT(quant_config)
+        return fabric, fabric.setup(model)
+
+    fabric, model = fabric_and_model(quantize=scheme)
+    fabric.load_raw(quant_checkpoint, model)
+    fabric.save(tmp_path / "quantized.ckpt", {"model": model, "step": 7})
+    saved = torch.load(tmp_path / "quantized.ckpt", weights_only=True)  # plain tensors and strings
+    assert saved["step"] == 7 and saved["model"]["__metadata__"]["lightning_lowmem.quantize"] == scheme
+    assert f"transformer.h.0.attn.qkv.{stored_as}" in saved["model"]
+
+    fabric2, again = fabric_and_model()  # no quantize=: the file says it
+    state = {"model": again, "step": 0}
+    assert fabric2.load(tmp_path / "quantized.ckpt", state) == {} and state["step"] == 7
+    report = fabric2.strategy.reports[-1]
+    assert len(report.prequantized) == 8 and not report.requantized
+    torch.testing.assert_close(forward_logits(again.eval()), forward_logits(model.eval()), rtol=0, atol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("quantize", [None, "bnb.nf4"])

@@ -161,3 +161,26 @@ def test_an_hf_directory_of_any_name_is_estimated_with_its_litgpt_config(pythia_
     assert est.model == "pythia-14m" and est.notes == []
     assert (est.weights, est.kv_cache, est.mask, est.rope) == (by_name.weights, by_name.kv_cache, by_name.mask,
                                                                by_name.rope)
+
+
+@pytest.mark.parametrize("scheme", ["bnb.nf4-dq", "bnb.int8", "torchao.int8wo"])
+def test_prequantized_checkpoints_are_counted_at_their_stored_bytes(tmp_path, tiny_config, tiny_gpt, meta_gpt,
+                                                                    hf_prequantized, scheme):
+    """A saved quantized litgpt checkpoint, and an HF one whose q, k, v are fused and quantized again."""
+    from lightning_lowmem import save_checkpoint
+    from lightning_lowmem.litgpt.generation import load_for_generation
+    from lightning_lowmem.quantize import module_nbytes
+
+    config = tiny_config("gqa", n_embd=128, intermediate_size=256)
+    torch.save(tiny_gpt(config, std=0.3).state_dict(), tmp_path / "lit_model.pth")
+    model = meta_gpt(config, include_buffers=True)
+    load_checkpoint(model, tmp_path / "lit_model.pth", dtype=torch.bfloat16, quantize=scheme)
+    save_checkpoint(model, tmp_path / "saved")
+    est = estimate_memory(tmp_path / "saved", max_seq_length=16)
+    assert est.quantize == scheme and est.weights == module_nbytes(model) and est.quantized_params > 0
+    assert est.library > 0  # the scheme's library is imported to load it
+
+    directory = hf_prequantized(scheme)
+    _, _, report = load_for_generation(directory, precision="bf16-true")
+    est = estimate_memory(directory, max_seq_length=16)
+    assert est.weights == report.bytes_loaded and est.quantized_weights > 0

@@ -98,3 +98,37 @@ def test_a_checkpoint_litgpts_conversion_refuses_fails_before_reading(tmp_path, 
     with pytest.raises(CheckpointFormatError, match=r"'falcon-tiny'.*NotImplementedError.*convert_to_litgpt"):
         generate(directory, "1 2 3", max_new_tokens=2)
     assert read_recorder.keys == []
+
+
+@pytest.mark.parametrize("scheme", ["bnb.nf4-dq", "bnb.int8"])
+def test_a_prequantized_checkpoint_fuses_qkv_from_dequantized_parts(tmp_path, hf_prequantized, hf_from_pretrained,
+                                                                   litgpt_converted, tiny_config, scheme):
+    """transformers saved q, k, v quantized apart; litgpt's qkv is built from their dequantized values and quantized
+    again in the same scheme, one layer at a time: the qkv equals litgpt's own conversion of the dequantized
+    model, quantized on load; every other Linear loads as stored."""
+    from litgpt import Config
+
+    directory = hf_prequantized(scheme)
+    model, _, report = load_for_generation(directory, precision="bf16-true")
+    qkv = {f"transformer.h.{i}.attn.qkv": scheme for i in range(2)}
+    assert report.requantized == qkv and report.quantized.keys() == report.prequantized.keys() | qkv.keys()
+    assert len(report.prequantized) == 8 and "rebuilt from stored quantized parts" in str(report)
+
+    hf = hf_from_pretrained(directory)  # no forward before dequantize: the first repacks 4-bit weights for the CPU
+    hf.dequantize()  # the values the parts stand for, in bf16
+    (tmp_path / "dequantized").mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "dequantized" / "model.safetensors")
+    config = Config.from_file(directory / "model_config.yaml")
+    converted = litgpt_converted(tmp_path / "dequantized", config, tmp_path / "converted")
+    reference, _, _ = load_for_generation(converted, quantize=scheme, precision="bf16-true")
+    for name in qkv:  # before any forward: bitsandbytes repacks 4-bit weights for its CPU kernel in the first
+        ours, theirs = model.get_submodule(name).weight, reference.get_submodule(name).weight
+        assert torch.equal(ours.data, theirs.data), name
+        for key in ("absmax", "SCB"):
+            if getattr(theirs, key, None) is not None:
+                assert torch.equal(getattr(ours, key), getattr(theirs, key)), (name, key)
+    with torch.no_grad():  # q, k and v went through two quantizations: close to transformers', not equal
+        expected = hf_from_pretrained(directory)(IDS).logits.float()
+        torch.testing.assert_close(model(IDS).float(), expected, rtol=0.05, atol=0.15)
+    tokens = generate(directory, IDS[0], max_new_tokens=5, top_k=1).tokens[0]
+    assert tokens.shape == (IDS.shape[1] + 5,)

@@ -1,0 +1,163 @@
+"""torchao weights as safetensors holds them (torchao's own flattening, which transformers writes), and read back.
+
+torchao's ``torchao.prototype.safetensors`` (torchao >= 0.15; transformers' ``save_pretrained`` uses it)
+stores a quantized weight ``P.weight`` as its inner tensors (``__tensor_flatten__``), each under
+``P._weight_<name>``, and the rest of the tensor subclass as JSON in the file's metadata:
+
+* ``P._weight_qdata`` int8 ``(out, in)``, ``P._weight_scale`` ``(out, 1)``, ``P._weight_zero_point``
+  int8 ``(out, 1)`` for an ``Int8Tensor`` (``torchao.int8wo`` and ``torchao.int8dq``);
+* metadata ``P.weight``: ``{"_type": "Int8Tensor", "_data": {block_size, dtype, act_quant_kwargs, ...},
+  "_tensor_data_names": [...]}``, written by torchao's ``TensorSubclassAttributeJSONEncoder``;
+* metadata ``tensor_names``: the JSON list of those weights, the same in every file of a sharded set.
+
+Loading rebuilds the tensor subclass with torchao's ``object_from_dict`` (which builds only the classes
+torchao allows) around the inner tensors as read; nothing is quantized again.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.errors import CheckpointFormatError, UnsupportedQuantizationError
+from lightning_lowmem.formats import TensorRecord
+from lightning_lowmem.quantize.schemes import StoredWeight
+
+_FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_RESAVE = "The checkpoint is damaged or was not written by torchao/transformers: download or save it again."
+
+
+def find_torchao(records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                 claim: Callable[[str, bool], str | None], files: str) -> dict[str, StoredWeight]:
+    """The torchao weights the metadata's ``tensor_names`` lists, with their inner tensors' records; headers only.
+
+    ``claim(subclass name, activations quantized)`` is the scheme's name, or None when no scheme reads it.
+    """
+    if "tensor_names" not in metadata:
+        return {}
+    found = {}
+    for name in _json(metadata["tensor_names"], f"{files}: metadata 'tensor_names'", list):
+        info = _json(metadata.get(name), f"{files}: metadata {name!r}", dict)
+        kind = info.get("_type")
+        if kind in ("Tensor", "torch.Tensor"):
+            continue  # a full-precision tensor, stored as itself
+        data = info.get("_data")
+        scheme_name = claim(kind, isinstance(data, dict) and data.get("act_quant_kwargs") is not None)
+        if scheme_name is None:
+            raise UnsupportedQuantizationError(
+                f"{files} holds {name!r} as a torchao {kind!r}; lightning_lowmem loads torchao's Int8Tensor "
+                "(torchao.int8wo, torchao.int8dq) as stored. Load it with transformers, or save it as one of those.")
+        found[name] = StoredWeight(name, scheme_name, _roles(name, info, records, files), info=info)
+    return found
+
+
+def resolve_torchao(stored: StoredWeight) -> None:
+    """Check the inner tensors against each other and the metadata; sets shape and dtype."""
+    where = f"metadata {stored.key!r} of {stored.roles['qdata'].file}"
+    data = stored.info.get("_data")
+    dtype = data.get("dtype") if isinstance(data, dict) else None
+    dtype = dtype.get("_data") if isinstance(dtype, dict) else None
+    if dtype not in _FLOATS:
+        raise CheckpointFormatError(f"{where}: the weight's dtype {dtype!r} is not one of {', '.join(_FLOATS)}. "
+                                    f"{_RESAVE}")
+    qdata = stored.roles["qdata"]
+    out = qdata.shape[0] if len(qdata.shape) == 2 else -1
+    wrong = [f"{stored.where(role)} is {rec.dtype} {list(rec.shape)}" for role, rec in stored.roles.items()
+             if not _fits(role, rec, out)]
+    if out < 0 or wrong or data.get("block_size") != [1, qdata.shape[1]]:
+        raise CheckpointFormatError(
+            f"{where} (block_size {data.get('block_size')!r}) does not fit its tensors: "
+            f"{'; '.join(wrong) or f'qdata {list(qdata.shape)}'}. An Int8Tensor holds int8 qdata (out, in), "
+            f"and a scale and an int8 zero point per row, block_size [1, in]. {_RESAVE}")
+    stored.shape, stored.dtype = tuple(qdata.shape), _FLOATS[dtype]
+
+
+def build(stored: StoredWeight, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensor subclass the metadata describes, around the inner ``tensors`` (by name) moved to ``device``."""
+    from torchao.prototype.safetensors.safetensors_utils import object_from_dict
+
+    info = copy.deepcopy(stored.info)
+    info["_data"].update({name: tensor.to(device) for name, tensor in tensors.items()})
+    try:
+        weight = object_from_dict(info)
+    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as e:
+        raise CheckpointFormatError(f"metadata {stored.key!r} of {stored.roles['qdata'].file}: torchao cannot build "
+                                    f"the weight from it ({type(e).__name__}: {e}). {_RESAVE}") from e
+    if type(weight).__name__ != info["_type"] or tuple(weight.shape) != stored.shape:
+        raise CheckpointFormatError(f"metadata {stored.key!r}: torchao built a {type(weight).__name__} of shape "
+                                    f"{list(weight.shape)}, not a {info['_type']} {list(stored.shape)}. {_RESAVE}")
+    return weight
+
+
+def load_torchao(module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                 device: torch.device) -> None:
+    module.weight = nn.Parameter(build(stored, tensors, device), requires_grad=False)
+
+
+def dequantize_torchao(stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    first = next(iter(tensors.values()))
+    if first.is_meta:
+        return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+    return build(stored, tensors, first.device).dequantize()
+
+
+def state_dict_torchao(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight's inner tensors as torchao's flattening names them (``_weight_<name>``), then the bias."""
+    weight = module.weight
+    names = list(weight.tensor_data_names) + [n for n in getattr(weight, "optional_tensor_data_names", [])
+                                              if getattr(weight, n) is not None]
+    out = {f"_weight_{name}": getattr(weight, name) for name in names}
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = module.bias.data
+    return out
+
+
+def file_metadata(weights: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The metadata torchao's flattening writes for ``weights`` (name -> tensor subclass), in every file."""
+    from torchao.prototype.safetensors.safetensors_utils import TensorSubclassAttributeJSONEncoder
+
+    if not weights:
+        return {}
+    out = {name: json.dumps(weight, cls=TensorSubclassAttributeJSONEncoder) for name, weight in weights.items()}
+    return out | {"tensor_names": json.dumps(list(weights))}
+
+
+def _roles(name: str, info: dict[str, Any], records: Mapping[str, TensorRecord], files: str) -> dict[str, TensorRecord]:
+    module, dot, leaf = name.rpartition(".")
+    names = info.get("_tensor_data_names")
+    if not dot or not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise CheckpointFormatError(f"{files}: metadata {name!r} names no inner tensors (_tensor_data_names "
+                                    f"{names!r}) of a module's weight. {_RESAVE}")
+    keys = {n: f"{module}._{leaf}_{n}" for n in names}
+    absent = [key for key in keys.values() if key not in records]
+    if absent or "qdata" not in keys:
+        raise CheckpointFormatError(f"{files}: the torchao weight {name!r} lacks {', '.join(map(repr, absent))} "
+                                    f"(its metadata names {names!r}). {_RESAVE}")
+    return {"qdata": records[keys.pop("qdata")], **{n: records[key] for n, key in keys.items()}}
+
+
+_FITS: dict[str, Callable[[TensorRecord, int], bool]] = {  # an Int8Tensor's inner tensors, for out rows
+    "qdata": lambda rec, out: rec.dtype == torch.int8 and len(rec.shape) == 2,
+    "scale": lambda rec, out: rec.dtype.is_floating_point and rec.numel == out,
+    "zero_point": lambda rec, out: rec.dtype == torch.int8 and rec.numel == out,
+}
+
+
+def _fits(role: str, rec: TensorRecord, out: int) -> bool:
+    check = _FITS.get(role)
+    return check is not None and check(rec, out)
+
+
+def _json(text: Any, where: str, kind: type) -> Any:
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{where} is not valid JSON ({e}). {_RESAVE}") from e
+    if not isinstance(value, kind):
+        raise CheckpointFormatError(f"{where} is {text!r:.100}, not the JSON {kind.__name__} torchao writes. {_RESAVE}")
+    return value
