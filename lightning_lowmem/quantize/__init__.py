@@ -1,9 +1,10 @@
 """Quantization schemes: each ``nn.Linear`` weight quantized the moment it is read.
 
 ``schemes`` holds the base class and the registry (a scheme also knows its own sizes),
-``bnb`` and ``torchao`` one file per library, ``selection`` the one rule that picks the
-Linears (marking the load plan), ``rows`` quantizing a block of rows at a time,
-``quantizer`` the loader's side, ``nbytes`` what a quantized tensor really holds.
+``bnb`` and ``torchao`` one file per library (``nf4``: torchao's NF4 made by blocks of rows),
+``selection`` the one rule that picks the Linears (marking the load plan), ``rows`` quantizing
+a block of rows at a time, ``quantizer`` the loader's side, ``nbytes`` what a quantized tensor
+really holds.
 
 Example::
 
@@ -26,13 +27,19 @@ from lightning_lowmem.quantize.schemes import (
     SCHEMES,
     QuantScheme,
     check_available,
+    check_shardable,
     make_scheme,
     parse_scheme,
     register_scheme,
     schemes_available_on,
 )
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP, Selection, parse_skip, select_linears
-from lightning_lowmem.quantize.torchao import TorchaoInt4WeightOnly, TorchaoInt8Dynamic, TorchaoInt8WeightOnly
+from lightning_lowmem.quantize.torchao import (
+    TorchaoInt4WeightOnly,
+    TorchaoInt8Dynamic,
+    TorchaoInt8WeightOnly,
+    TorchaoNF4,
+)
 
 __all__ = [
     "DEFAULT_SKIP",
@@ -48,7 +55,9 @@ __all__ = [
     "TorchaoInt4WeightOnly",
     "TorchaoInt8Dynamic",
     "TorchaoInt8WeightOnly",
+    "TorchaoNF4",
     "check_available",
+    "check_shardable",
     "make_scheme",
     "module_nbytes",
     "parse_scheme",

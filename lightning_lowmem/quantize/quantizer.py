@@ -78,6 +78,17 @@ class Quantizer:
         release_free_heap(TRIM_AT)  # the previous weight and this one's temporaries: out of RSS, not only freed
         return True
 
+    def load_shard(self, target: Target, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        """The ``index``-th of ``count`` row shards of the whole ``weight`` of ``target``, quantized
+        (:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.quantize_shard`); the caller copies it into place."""
+        module_name = self._modules[target.names[0]]
+        self.bytes_before += weight.nbytes // count
+        shard = self.scheme.quantize_shard(weight, index, count)
+        self.bytes_after += tensor_nbytes(shard)
+        self.quantized[module_name] = self.scheme.name
+        release_free_heap(TRIM_AT)
+        return shard
+
 
 def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan,
                          device: torch.device) -> Quantizer:
@@ -95,6 +106,8 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
     dtypes = {name: target.dtype for target in plan.targets for name in target.names}
     for module_name, weight_name in selection.chosen.items():
         old = module.get_submodule(module_name)
+        if scheme.built(old):  # built before the load (before the model was sharded): kept as it is
+            continue
         linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
         new = scheme.replace(linear, dtypes[weight_name])
         if new is not old:
