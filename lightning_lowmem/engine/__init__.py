@@ -4,7 +4,8 @@
 headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
-decision to say what a load and a generation will need. Every face (the Lightning
+decision to say what a load and a generation will need; ``shards``, ``sharding`` and ``ranks``
+load a model sharded across ranks (FSDP2), each rank its own part. Every face (the Lightning
 strategy and callback, the litgpt helpers) goes through here.
 """
 
@@ -13,6 +14,8 @@ from lightning_lowmem.engine.load import load_checkpoint, load_prepared, run_loa
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load
 from lightning_lowmem.engine.report import LoadReport
+from lightning_lowmem.engine.sharding import quantize_for_sharding
+from lightning_lowmem.engine.shards import allocate_shards
 
 __all__ = [
     "CPU_RUNTIME",
@@ -21,11 +24,13 @@ __all__ = [
     "LoadReport",
     "MemoryEstimate",
     "PreparedLoad",
+    "allocate_shards",
     "estimate_prepared",
     "load_checkpoint",
     "load_prepared",
     "opened",
     "placement_plan",
     "prepare_load",
+    "quantize_for_sharding",
     "run_load",
 ]
