@@ -12,9 +12,10 @@ The package follows the data flow; each folder imports only those above it in th
     litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
     transformers/  the transformers face: a PreTrainedModel's buffers rebuilt after a load, as from_pretrained does
 
-Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
-are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy
-registry loads (:mod:`lightning_lowmem.lightning.registration`).
+Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``LowMemFSDPStrategy`` and
+``LowMemCallback`` are imported on first use, and ``Fabric(strategy="lowmem")`` and
+``Fabric(strategy="lowmem_fsdp")`` are registered when Lightning's strategy registry loads
+(:mod:`lightning_lowmem.lightning.registration`).
 """
 
 import importlib
@@ -64,6 +65,7 @@ from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers
 register_when_lightning_loads()
 
 _LIGHTNING_CLASSES = {"LowMemStrategy": "lightning_lowmem.lightning.strategy",
+                      "LowMemFSDPStrategy": "lightning_lowmem.lightning.fsdp",
                       "LowMemCallback": "lightning_lowmem.lightning.callback"}
 
 
@@ -98,6 +100,7 @@ __all__ = [
     "LoadReport",
     "LowMemCallback",
     "LowMemError",
+    "LowMemFSDPStrategy",
     "LowMemStrategy",
     "MemoryBudgetError",
     "MemoryEstimate",
