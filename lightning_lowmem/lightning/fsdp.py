@@ -39,7 +39,7 @@ from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
 from lightning_lowmem.lightning.load import load_into
 from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_params
-from lightning_lowmem.meta import check_meta_at_first_forward, has_meta, init_empty
+from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import shard_model
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.plan.shards import is_dtensor
@@ -134,7 +134,7 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self.options.scheme is not None and has_meta(module):  # built 4-bit on meta, before sharding
+        if self.options.scheme is not None:  # the chosen Linears built 4-bit on meta, before sharding
             shards = self.device_mesh["data_parallel"].size()
             quantize_for_sharding(module, LoadOptions.merge(self.options, dtype=self.load_dtype), shards,
                                   self.root_device)

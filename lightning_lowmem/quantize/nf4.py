@@ -34,6 +34,11 @@ from lightning_lowmem.meta import empty_like
 from lightning_lowmem.quantize.rows import map_rows
 
 
+CODE_BLOCK = 1 << 17
+"""Elements whose codes are computed at once: torchao compares each with the 16 code values in the weight's dtype
+(two ``(n, 16)`` temporaries: 8 MiB for bf16 blocks of 128 Ki elements, 32 MiB at 512 Ki)."""
+
+
 @functools.cache
 def nf4_module() -> ModuleType:
     """torchao's module that defines ``NF4Tensor`` (moved in torchao 0.15)."""
@@ -75,7 +80,7 @@ def quantize_rows(weight: torch.Tensor, index: int, count: int, block_size: int,
     local_rows = rows // count
     start = index * local_rows
     codes, = map_rows(weight[start:start + local_rows], lambda b: [nf4.NF4Tensor.convert_to_norm_float_weight(
-        b, b.numel() // block_size, block_size, table)], local_rows * cols // 2, block_size)
+        b, b.numel() // block_size, block_size, table)], local_rows * cols // 2, block_size, CODE_BLOCK)
     scalers, factor = (t.chunk(count)[index].clone() for t in (scalers, factor))
     args = nf4.SubclassTensorArgs(torch.Size((local_rows, cols)), (cols, 1), 0, weight.dtype, weight.device, False)
     return nf4.NF4Tensor(args, block_size, n_blocks, scaler_block_size, scalers, factor, mean, codes, table)

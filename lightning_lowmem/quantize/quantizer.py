@@ -86,7 +86,7 @@ class Quantizer:
         shard = self.scheme.quantize_shard(weight, index, count)
         self.bytes_after += tensor_nbytes(shard)
         self.quantized[module_name] = self.scheme.name
-        release_free_heap(TRIM_AT)
+        release_free_heap()  # the whole weight and its temporaries went: give them back before the next
         return shard
 
 

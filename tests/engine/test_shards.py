@@ -40,6 +40,20 @@ for kind, path in args["paths"].items():
         same = torch.equal(model(tokens), single(tokens))
     emit(**{kind: dict(mismatched=mismatched, bytes_read=report.bytes_read, share=share, rank=report.rank,
                        shard_bytes=report.shard_bytes, logits_equal=same, same_objects=same_objects)})
+
+# a DTensor cut by columns (tensor parallelism), and one replicated: read whole, this rank's part kept
+from torch.distributed.tensor import DTensor, Replicate, Shard
+cols = 256 // world
+module = torch.nn.Module()
+module.weight = torch.nn.Parameter(DTensor.from_local(torch.empty(101, cols, dtype=torch.bfloat16, device="meta"),
+                                                      mesh, [Shard(1)], run_check=False))
+module.norm = torch.nn.Parameter(DTensor.from_local(torch.empty(256, dtype=torch.bfloat16, device="meta"), mesh,
+                                                    [Replicate()], run_check=False))
+names = {"lm_head.weight": "weight", "transformer.ln_f.weight": "norm"}
+report = load_checkpoint(module, args["paths"]["safetensors"], key_map=names.get, progress=False)
+emit(columns=torch.equal(module.weight.to_local(), reference["lm_head.weight"][:, rank * cols:(rank + 1) * cols]),
+     replicated=torch.equal(module.norm.to_local(), reference["transformer.ln_f.weight"]),
+     whole_read=report.bytes_read == (101 * 256 + 256) * 2)
 """
 
 
@@ -66,13 +80,14 @@ def test_each_rank_reads_exactly_its_rows_into_its_shards(run_ranks, shard_confi
     ranks = run_ranks(SHARDED_LOAD, dict(config=shard_config, paths=paths, reference=reference))
     for result in ranks:
         assert result.returncode == 0, result.stderr[-3000:]
-        assert set(result.values) == set(paths)
-        for kind, got in result.values.items():
+        assert set(result.values) == {*paths, "columns", "replicated", "whole_read"}
+        for kind, got in ((k, v) for k, v in result.values.items() if k in paths):
             assert got["mismatched"] == [], (result.rank, kind)
             assert got["bytes_read"] == got["share"], (result.rank, kind)  # only its own rows
             assert got["shard_bytes"] >= got["share"]  # the padded shards hold at least what was read
             assert got["rank"] == result.rank
             assert got["logits_equal"], (result.rank, kind)
             assert got["same_objects"], (result.rank, kind)  # FSDP's own parameters, filled in place
+        assert result.values["columns"] and result.values["replicated"] and result.values["whole_read"]
     total = sum(v.nbytes for v in torch.load(reference, weights_only=True).values())
     assert sum(r.values["safetensors"]["bytes_read"] for r in ranks) == total  # together, the file once
