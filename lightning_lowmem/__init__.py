@@ -13,9 +13,10 @@ The package follows the data flow; each folder imports only those above it in th
     transformers/  the transformers face: a PreTrainedModel's buffers rebuilt after a load, as from_pretrained does
     cli/         the command line: lightning-lowmem estimate | inspect | generate | chat (python -m lightning_lowmem)
 
-Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy`` and ``LowMemCallback``
-are imported on first use, and ``Fabric(strategy="lowmem")`` is registered when Lightning's strategy
-registry loads (:mod:`lightning_lowmem.lightning.registration`).
+Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``LowMemFSDPStrategy`` and
+``LowMemCallback`` are imported on first use, and ``Fabric(strategy="lowmem")`` and
+``Fabric(strategy="lowmem_fsdp")`` are registered when Lightning's strategy registry loads
+(:mod:`lightning_lowmem.lightning.registration`).
 """
 
 import importlib
@@ -72,6 +73,7 @@ from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers
 register_when_lightning_loads()
 
 _LIGHTNING_CLASSES = {"LowMemStrategy": "lightning_lowmem.lightning.strategy",
+                      "LowMemFSDPStrategy": "lightning_lowmem.lightning.fsdp",
                       "LowMemCallback": "lightning_lowmem.lightning.callback"}
 
 
@@ -107,6 +109,7 @@ __all__ = [
     "LoadReport",
     "LowMemCallback",
     "LowMemError",
+    "LowMemFSDPStrategy",
     "LowMemStrategy",
     "MemoryBudgetError",
     "MemoryEstimate",

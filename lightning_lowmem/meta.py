@@ -72,6 +72,25 @@ def assign(module: nn.Module, names: list[str], tensor: torch.Tensor, is_paramet
         (owner._parameters if is_parameter else owner._buffers)[leaf] = value
 
 
+def empty_like(meta: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``torch.empty_like(meta, device=device)`` (uninitialised memory), for a tensor subclass too: inner tensors
+    that its ``empty_like`` leaves on meta (torchao's ``NF4Tensor`` allocates its codes and scales, not its mean
+    and code table) get memory as well.
+
+    Example::
+
+        >>> empty_like(torch.empty(2, 3, device="meta"), "cpu").device
+        device(type='cpu')
+    """
+    tensor = torch.empty_like(meta, device=device)
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    for name in (flatten()[0] if flatten is not None else []):
+        inner = getattr(tensor, name)
+        if inner.is_meta:
+            setattr(tensor, name, empty_like(inner, device))
+    return tensor
+
+
 def _recomputable(module: nn.Module) -> Iterator[tuple[str, nn.Module, list[str]]]:
     """``(module name, module, its meta non-persistent buffers)`` for each module that can rebuild them:
     no parameters of its own and a ``reset_parameters()`` (litgpt's ``GPT``: its RoPE ``cos``/``sin``)."""
@@ -113,7 +132,9 @@ class Snapshot:
     A load replaces meta tensors by new ones, and the data of real parameters in place, and may swap
     ``nn.Linear`` modules for quantized ones. :meth:`restore` undoes all of it: the tree holds the very
     objects (and data) it held when the snapshot was taken. For meta tensors this costs nothing; for
-    a module that already held real weights, their old data is kept until the load succeeds.
+    a module that already held real weights, their old data is kept until the load succeeds. DTensor
+    shards that were already real (FSDP2) are filled in place and keep what was written into them; shards
+    still on meta go back to meta (``engine/shards.py``).
 
     Example::
 
@@ -129,7 +150,9 @@ class Snapshot:
     def __init__(self, module: nn.Module) -> None:
         mods = [m for _, m in module.named_modules(remove_duplicate=False)]
         self._tables = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in mods]
-        self._data = [(p, p.data) for m in mods for p in m._parameters.values() if p is not None and not p.is_meta]
+        # a DTensor shard (FSDP2) is filled in place, its storage shared with any `.data` kept here: not restored
+        self._data = [(p, p.data) for m in mods for p in m._parameters.values()
+                      if p is not None and not p.is_meta and not hasattr(p, "_local_tensor")]
 
     def restore(self) -> None:
         for mod, modules, parameters, buffers in self._tables:

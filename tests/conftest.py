@@ -9,6 +9,7 @@ Test files import nothing from each other or from here: what they share is a fix
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -916,3 +917,102 @@ def gguf_from_pretrained():
         return model.eval()
 
     return load
+
+
+# ---------------------------------------------------------------- many ranks (gloo, CPU)
+
+SHARD_CONFIG = dict(name="pythia-tiny", n_layer=2, n_embd=256, n_head=4, block_size=64, vocab_size=101,
+                    padded_vocab_size=101, rotary_percentage=0.25, parallel_residual=True, bias=True,
+                    norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP", intermediate_size=512)
+
+_RANK_PREAMBLE = """
+import json, os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+import torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+args = json.loads(sys.argv[1])
+
+def emit(**values):
+    print("RESULT " + json.dumps(values), flush=True)
+
+def config(**overrides):
+    from litgpt import Config
+    return Config(**{**args["config"], **overrides})
+"""
+
+_INIT_GLOO = """
+dist.init_process_group("gloo")
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cpu", (world,))
+"""
+
+
+@dataclasses.dataclass
+class RankResult:
+    """What one rank of :func:`run_ranks` did: its exit code, the values it ``emit``-ted (merged), its stderr."""
+
+    rank: int
+    returncode: int | None
+    values: dict
+    stderr: str
+    timed_out: bool = False
+
+
+@pytest.fixture(scope="session")
+def shard_config() -> dict:
+    """The keyword arguments of a 2-layer, 256-dim litgpt pythia ``Config`` whose Linears shard in two for
+    ``torchao.nf4``, with 101 vocabulary rows (the embedding and head do not split evenly in two)."""
+    return dict(SHARD_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def run_ranks(child_env, tmp_path_factory):
+    """``run_ranks(script, args, world=2, timeout=240, init=True)``: ``script`` in ``world`` fresh processes that
+    form one gloo process group on this machine (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set, as
+    ``torchrun`` and Lightning set them); a list of :class:`RankResult`, one per rank.
+
+    The script sees ``rank``, ``world``, ``args`` (the JSON-able ``args``), ``emit(**values)`` and
+    ``config(**overrides)`` (litgpt's ``Config`` of ``args["config"]``); with ``init``, the default process group
+    is initialised and ``mesh`` is a 1-D CPU device mesh (without it, Lightning's Fabric sets the group up). A rank
+    still running after ``timeout`` seconds is killed and marked ``timed_out``.
+    """
+    def run(script: str, args: dict, world: int = 2, timeout: float = 240, init: bool = True) -> list[RankResult]:
+        import socket
+        import textwrap
+        import time
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        code = _RANK_PREAMBLE + (_INIT_GLOO if init else "") + textwrap.dedent(script)
+        logs = tmp_path_factory.mktemp("ranks")
+        procs = []
+        for rank in range(world):
+            env = {**child_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+                   "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
+            out, err = open(logs / f"{rank}.out", "w"), open(logs / f"{rank}.err", "w")  # no pipe to fill up
+            procs.append((subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], stdout=out, stderr=err,
+                                           env=env, text=True), out, err))
+        deadline = time.monotonic() + timeout
+        results = []
+        for rank, (proc, out, err) in enumerate(procs):
+            timed_out = False
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for other, _, _ in procs:
+                    if other.poll() is None:
+                        other.kill()
+                proc.wait()
+            out.close()
+            err.close()
+            values = {}
+            for line in (logs / f"{rank}.out").read_text().splitlines():
+                if line.startswith("RESULT "):
+                    values.update(json.loads(line[len("RESULT "):]))
+            results.append(RankResult(rank, proc.returncode, values, (logs / f"{rank}.err").read_text(), timed_out))
+        return results
+
+    return run

@@ -4,8 +4,9 @@
 headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
-decision to say what a load and a generation will need; ``save`` is ``save_checkpoint``,
-the way back. Every face (the Lightning
+decision to say what a load and a generation will need; ``shards``, ``sharding`` and ``ranks``
+load a model sharded across ranks (FSDP2), each rank its own part; ``save`` is
+``save_checkpoint``, the way back. Every face (the Lightning
 strategy and callback, the litgpt helpers) goes through here.
 """
 
@@ -15,6 +16,8 @@ from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load, stored_in
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.save import ModuleState, module_state, save_checkpoint
+from lightning_lowmem.engine.sharding import quantize_for_sharding
+from lightning_lowmem.engine.shards import allocate_shards
 
 __all__ = [
     "CPU_RUNTIME",
@@ -24,6 +27,7 @@ __all__ = [
     "MemoryEstimate",
     "ModuleState",
     "PreparedLoad",
+    "allocate_shards",
     "estimate_prepared",
     "load_checkpoint",
     "load_prepared",
@@ -31,6 +35,7 @@ __all__ = [
     "opened",
     "placement_plan",
     "prepare_load",
+    "quantize_for_sharding",
     "run_load",
     "save_checkpoint",
     "stored_in",

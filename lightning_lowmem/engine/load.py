@@ -6,10 +6,15 @@
         -> stream (one tensor at a time) -> buffers and checks -> LoadReport
 
 A module is loaded whole or left as it was: any error after the plan puts it back.
+
+A module whose parameters are DTensors (sharded by ``fully_shard``) is loaded the same way on each
+rank: the plan is the same on every rank, the ranks agree that it holds before any of them reads
+(``ranks.py``), then each rank allocates and reads only its own part of each tensor (``shards.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +26,10 @@ from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load, stored_in
+from lightning_lowmem.engine.ranks import agreement, rank
 from lightning_lowmem.engine.report import LoadReport
+from lightning_lowmem.engine.shards import allocate_shards, shard_nbytes, sharded_parameters
+from lightning_lowmem.engine.sharding import check_sharded
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.errors import MetaTensorError, format_names
@@ -29,7 +37,7 @@ from lightning_lowmem.memory import MemoryMonitor
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
 from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
-from lightning_lowmem.quantize import QuantScheme, module_nbytes, prepare_quantization
+from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +107,7 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
 
     The module is loaded whole or left as it was: on any error after the plan, every module,
     parameter and buffer is put back as it was before (:class:`~lightning_lowmem.meta.Snapshot`).
+    With DTensor parameters, every rank raises if the plan failed on any rank, before any read.
 
     Args:
         module, checkpoint: as :func:`load_checkpoint`.
@@ -108,14 +117,18 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, opened(checkpoint) as ckpt:
-        prepared = prepare_load(module, ckpt.records, options, files=ckpt.description, check_keys=on_plan is None,
-                                stored=stored_in(ckpt, options))
+    sharded = bool(sharded_parameters(module))
+    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         snapshot = Snapshot(module)
         try:
-            if on_plan is not None:
-                on_plan(prepared)
-            report = load_prepared(prepared, ckpt, monitor)
+            with agreement(sharded):  # every rank raises here if any rank's plan failed
+                ckpt = stack.enter_context(opened(checkpoint))
+                prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
+                                        check_keys=on_plan is None, stored=stored_in(ckpt, options))
+                if on_plan is not None:
+                    on_plan(prepared)
+                architecture = _check_before_reading(prepared)
+            report = _load(prepared, ckpt, architecture)
         except BaseException:
             snapshot.restore()
             raise
@@ -137,8 +150,8 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
             report = load_prepared(prepared, ckpt, own)
         return _finish_report(report, own)
-    architecture = architecture_of(prepared.module)
-    check_complete(prepared.module, prepared.plan, architecture.fills(prepared.module))
+    with agreement(bool(sharded_parameters(prepared.module))):
+        architecture = _check_before_reading(prepared)
     snapshot = Snapshot(prepared.module)
     try:
         return _load(prepared, ckpt, architecture)
@@ -147,12 +160,34 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         raise
 
 
+def _check_before_reading(prepared: PreparedLoad) -> Architecture:
+    """The checks that need no weight: nothing left on meta, sharded tensors that can be filled; returns the
+    module's architecture."""
+    architecture = architecture_of(prepared.module)
+    check_complete(prepared.module, prepared.plan, architecture.fills(prepared.module))
+    check_sharded(prepared)
+    return architecture
+
+
 def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) -> LoadReport:
-    module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
+    module, plan, device = prepared.module, prepared.plan, prepared.device
     apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
     quantizer = prepare_quantization(module, prepared.selection, plan, device) if prepared.selection else None
     report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
-                        key_note=plan.prefix_note, placement=prepared.placement)
+                        key_note=plan.prefix_note, placement=prepared.placement, rank=rank())
+    allocation = allocate_shards(module, prepared.options.device)  # this rank's parts of meta DTensors, unfilled
+    try:
+        _fill(prepared, ckpt, architecture, quantizer, report)
+    except BaseException:
+        allocation.undo()
+        raise
+    return report
+
+
+def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, quantizer: Quantizer | None,
+          report: LoadReport) -> None:
+    """Stream the plan into the module, rebuild and place its buffers, check it, and fill ``report``."""
+    module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.tensors, report.bytes_read, report.mapped = stream(
         module, ckpt, plan, quantizer, transform=options.transform, combine=prepared.combine,
@@ -161,6 +196,7 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
     report.recomputed = architecture.after_load(module, device)
     _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
+    report.shard_bytes = shard_nbytes(module)
     check_no_meta(module, f"After loading {plan.files}")
     if prepared.placement is not None:
         report.offload = dispatch(module, prepared.placement)
@@ -168,7 +204,6 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
         report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
         report.prequantized, report.requantized = quantizer.prequantized, quantizer.requantized
         report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
-    return report
 
 
 def check_complete(module: nn.Module, plan: LoadPlan, filled: set[str]) -> None:

@@ -37,6 +37,9 @@ class LoadReport:
             moves and quantizes nothing), not copies.
         placement: the placement plan (``max_memory`` only).
         offload: the hooks that stream the offloaded layers in (``max_memory`` only, when layers are offloaded).
+        rank: this process's rank in the default process group (0 without one).
+        shard_bytes: bytes of this rank's parts of the module's DTensor parameters (0 for a module that
+            holds no DTensor); ``bytes_read`` is then what this rank read.
     """
 
     files: list[Path]
@@ -59,6 +62,8 @@ class LoadReport:
     mapped: bool = False
     placement: PlacementPlan | None = None
     offload: Offload | None = None
+    rank: int = 0
+    shard_bytes: int = 0
 
     def __str__(self) -> str:
         where = format_names((p.name for p in self.files), limit=3, quote=False)
@@ -67,6 +72,9 @@ class LoadReport:
             f"{format_bytes(self.bytes_loaded)} in the model) from {where} in {self.seconds:.2f} s",
             f"  memory: {self.memory.summary()}",
         ]
+        if self.shard_bytes:
+            lines[0] = f"Rank {self.rank}: " + lines[0][0].lower() + lines[0][1:] + \
+                f"; its shards hold {format_bytes(self.shard_bytes)}"
         if self.prequantized:
             schemes = sorted(set(self.prequantized.values()))
             lines.append(f"  loaded {len(self.prequantized)} modules quantized as stored ({', '.join(schemes)})")

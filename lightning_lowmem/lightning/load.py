@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, run_load
+from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, allocate_shards, run_load
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import LoadPlan
+from lightning_lowmem.plan.shards import is_dtensor
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def load_into(
     dtype: torch.dtype | None = None,
     strict: bool = True,
     init_added: bool = True,
+    unfilled: frozenset[str] = frozenset(),
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module`` on ``device`` and initialize the parameters the module adds.
 
@@ -56,6 +58,8 @@ def load_into(
         dtype: fallback cast (the precision plugin's dtype).
         strict: the call's own strictness.
         init_added: initialize trainable parameters the checkpoint lacks (adapters); False: an error.
+        unfilled: parameters that hold memory but no values yet (DTensor shards a strategy allocated):
+            counted as on meta.
 
     Returns:
         The loader's report; ``report.missing`` lists the added parameters that were initialized.
@@ -68,7 +72,7 @@ def load_into(
     options = LoadOptions.merge(options, dtype=options.dtype or dtype, device=None if options.max_memory else device)
 
     def initialize_added(prepared: PreparedLoad) -> None:
-        added = _added_parameters(module, prepared.plan) if init_added else {}
+        added = _added_parameters(module, prepared.plan, unfilled) if init_added else {}
         prepared.plan.check_keys(strict, allowed_missing=frozenset(added))
         initialized = _initialize(module, added, device, options.dtype)
         if initialized:
@@ -78,36 +82,45 @@ def load_into(
     return run_load(module, checkpoint, options, on_plan=initialize_added)
 
 
-def _added_parameters(module: nn.Module, plan: LoadPlan) -> dict[str, nn.Module]:
-    """Missing, meta, trainable parameters whose owner can initialize them: name -> owner.
+def _added_parameters(module: nn.Module, plan: LoadPlan,
+                      unfilled: frozenset[str] = frozenset()) -> dict[str, nn.Module]:
+    """Missing, meta (or ``unfilled``), trainable parameters whose owner can initialize them: name -> owner.
 
     Not those the checkpoint should build from parts it lacks (an HF checkpoint's k_proj for qkv).
     """
     missing = set(plan.missing) - set(plan.absent.values())
     added: dict[str, nn.Module] = {}
     for name, param in module.named_parameters():
-        if name not in missing or not param.is_meta or not param.requires_grad:
+        if name not in missing or not (param.is_meta or name in unfilled) or not param.requires_grad:
             continue
         owner, _ = owner_of(module, name)
         prefix = name.rpartition(".")[0]
         own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in owner._parameters.items() if p is not None]
-        if callable(getattr(owner, "reset_parameters", None)) and all(n in missing and p.is_meta for n, p in own):
+        if callable(getattr(owner, "reset_parameters", None)) and \
+                all(n in missing and (p.is_meta or n in unfilled) for n, p in own):
             added[name] = owner
     return added
 
 
 def _initialize(module: nn.Module, added: dict[str, nn.Module], device: torch.device,
                 dtype: torch.dtype | None) -> list[str]:
-    """Allocate the added parameters on ``device`` and let their owners initialize them."""
+    """Allocate the added parameters on ``device`` and let their owners initialize them.
+
+    A DTensor parameter (a sharded model) gets this rank's part allocated in place (``allocate_shards``);
+    its owner's ``reset_parameters`` then initializes that part.
+    """
     owners: dict[int, nn.Module] = {}
+    allocate_shards(module, device, names=set(added))
     for name, owner in added.items():
         _, leaf = owner_of(module, name)
         old = owner._parameters[leaf]
         assert old is not None
+        owners[id(owner)] = owner
+        if is_dtensor(old):
+            continue
         cast = dtype if dtype is not None and old.dtype.is_floating_point else old.dtype
         owner._parameters[leaf] = nn.Parameter(torch.empty_like(old, device=device, dtype=cast),
                                                requires_grad=old.requires_grad)
-        owners[id(owner)] = owner
     with torch.no_grad():
         for owner in owners.values():
             owner.reset_parameters()

@@ -1,4 +1,5 @@
-"""``Fabric(strategy="lowmem")`` without importing Lightning when lightning_lowmem is imported.
+"""``Fabric(strategy="lowmem")`` and ``Fabric(strategy="lowmem_fsdp")`` without importing Lightning when
+lightning_lowmem is imported.
 
 Importing ``lightning`` takes 3-5 s and ~200 MiB of RSS (measured: a bare ``import torch``
 process 218 MiB, with ``lightning`` 414 MiB), which a user of :func:`load_checkpoint` on a
@@ -6,12 +7,13 @@ transformers model should not pay. Fabric looks strategies up by name in
 ``lightning.fabric.strategies.STRATEGY_REGISTRY``, and nothing registers a third party's
 strategy for it. So:
 
-* if ``lightning.fabric.strategies`` is already imported, ``"lowmem"`` is registered at once;
+* if ``lightning.fabric.strategies`` is already imported, both names are registered at once;
 * otherwise a one-shot import hook registers it right after that module runs, so the name is
   there before any ``Fabric(...)`` can be built, whichever package is imported first.
 
-What is registered is a factory that imports :mod:`lightning_lowmem.lightning.strategy` when
-Fabric builds the strategy; this module is the one place ``"lowmem"`` is registered.
+What is registered is a factory that imports :mod:`lightning_lowmem.lightning.strategy` (or
+:mod:`lightning_lowmem.lightning.fsdp`) when Fabric builds the strategy; this module is the one
+place both names are registered.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 REGISTRY_MODULE = "lightning.fabric.strategies"
 DESCRIPTION = "One device; build on meta, stream (and quantize) checkpoints in."
+FSDP_DESCRIPTION = "Many ranks (FSDP2); each rank reads and holds its own shard (QLoRA with torchao.nf4)."
 
 
 def _build_strategy(**kwargs: Any) -> Any:
@@ -33,9 +36,16 @@ def _build_strategy(**kwargs: Any) -> Any:
     return LowMemStrategy(**kwargs)
 
 
+def _build_fsdp_strategy(**kwargs: Any) -> Any:
+    from lightning_lowmem.lightning.fsdp import LowMemFSDPStrategy
+
+    return LowMemFSDPStrategy(**kwargs)
+
+
 def register(registry: Any) -> None:
-    """File ``"lowmem"`` in a Fabric strategy registry (an existing entry by that name is replaced)."""
+    """File ``"lowmem"`` and ``"lowmem_fsdp"`` in a Fabric strategy registry (entries by those names are replaced)."""
     registry.register("lowmem", _build_strategy, description=DESCRIPTION, override=True)
+    registry.register("lowmem_fsdp", _build_fsdp_strategy, description=FSDP_DESCRIPTION, override=True)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -65,7 +75,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
 
 def register_when_lightning_loads() -> None:
-    """Register ``"lowmem"`` now if Lightning's registry exists, else as soon as it is imported (idempotent)."""
+    """Register both names now if Lightning's registry exists, else as soon as it is imported (idempotent)."""
     module = sys.modules.get(REGISTRY_MODULE)
     if module is not None and hasattr(module, "STRATEGY_REGISTRY"):
         register(module.STRATEGY_REGISTRY)

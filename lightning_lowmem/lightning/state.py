@@ -78,6 +78,16 @@ def remap_optimizer_params(optimizers: Iterable[Optimizer], before: dict[str, nn
     return changed
 
 
+def weights_key(ckpt: Checkpoint, state: Mapping[str, Any]) -> str | None:
+    """The key of ``state`` whose module takes the checkpoint's weights: the entry they were found under
+    (``model``, ``state_dict``) when ``state`` holds a module there; for a bare state dict (safetensors,
+    ``lit_model.pth``), ``state``'s one module; else None."""
+    if ckpt.entry:
+        return ckpt.entry if isinstance(state.get(ckpt.entry), nn.Module) else None
+    modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
+    return modules[0] if len(modules) == 1 else None
+
+
 def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: bool | None) -> dict[str, Any]:
     """A checkpoint's entries beside the weights (optimizer state, counters), for ``fabric.load``.
 

@@ -41,6 +41,7 @@ from lightning_lowmem.lightning.state import (
     other_entries,
     plugin_dtype,
     remap_optimizer_params,
+    weights_key,
 )
 from lightning_lowmem.meta import check_meta_at_first_forward, has_meta, init_empty
 from lightning_lowmem.placement import MaxMemory
@@ -210,13 +211,8 @@ class LowMemStrategy(SingleDeviceStrategy):
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
         with opened(path) as ckpt:  # once: headers, the other entries, then the weights
-            entry = ckpt.entry
             rest = other_entries(ckpt, state, weights_only)
-            modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
-            if entry:
-                key = entry if isinstance(state.get(entry), nn.Module) else None
-            else:  # a bare state dict (safetensors, lit_model.pth): it is the one module's weights
-                key = modules[0] if len(modules) == 1 else None
+            key = weights_key(ckpt, state)
             _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
             optimizers = [*self._optimizers, *(v for v in state.values() if isinstance(v, Optimizer))]
             if key is not None:

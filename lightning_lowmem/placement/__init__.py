@@ -3,7 +3,8 @@
 ``budgets`` reads ``max_memory``, ``layers`` groups a model's tensors into the units
 that move whole, ``architectures`` says what a model family needs beyond its weights
 (caches, activations), ``place`` fits the layers into the budgets from the load plan,
-``offload`` copies offloaded layers to the execution device for their forward.
+``offload`` copies offloaded layers to the execution device for their forward, ``sharding``
+splits a model across ranks (FSDP2) when its user does not say how.
 """
 
 from lightning_lowmem.placement.architectures import (
@@ -25,6 +26,7 @@ from lightning_lowmem.placement.offload import (
     sequential_offload,
 )
 from lightning_lowmem.placement.place import PlacementPlan, place_layers
+from lightning_lowmem.placement.sharding import shard_model, shardable_blocks
 
 __all__ = [
     "GENERIC",
@@ -47,4 +49,6 @@ __all__ = [
     "place_layers",
     "register_architecture",
     "sequential_offload",
+    "shard_model",
+    "shardable_blocks",
 ]

@@ -9,11 +9,16 @@ checkpoint fails before a byte is read. A non-persistent buffer (RoPE tables, po
 never missing; the checkpoint fills it only when it is still on meta and the checkpoint holds it
 with the same shape and dtype. Later stages fill in what they decide:
 quantization (:attr:`Target.scheme`), placement (:attr:`Target.device`).
+
+A module tensor that is a DTensor (a model sharded by ``fully_shard``) is planned whole, as the
+checkpoint holds it, with this rank's part of it (:attr:`Target.shard`): the bytes this rank reads
+and holds are that part's, and its dtype is the DTensor's own (a shard is filled in place).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +32,7 @@ from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
 from lightning_lowmem.plan.combine import Combine, combined_record
 from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
+from lightning_lowmem.plan.shards import Shard, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ class Target:
         scheme: the quantization scheme its weight is stored in, or None (full precision).
         stored: the form the checkpoint stores it in, when not as itself: its ``parts`` are read as they
             are and handed to ``scheme`` together, never combined.
+        shard: this rank's part of it, when the module's tensor is a DTensor; None: the whole tensor.
     """
 
     names: list[str]
@@ -74,21 +81,35 @@ class Target:
     parts: tuple[TensorRecord, ...] = ()
     scheme: StoredSize | None = None
     stored: StoredForm | None = None
+    shard: Shard | None = None
+
+    @property
+    def own_rows(self) -> tuple[int, int] | None:
+        """The block of rows this rank reads on its own (a row shard, read as stored), else None."""
+        if self.shard is None or self.parts or self.scheme is not None:
+            return None
+        return self.shard.rows
 
     @property
     def read_nbytes(self) -> int:
-        """Bytes read from the checkpoint for this tensor."""
+        """Bytes read from the checkpoint for this tensor (only this rank's rows of a row shard)."""
+        rows = self.own_rows
+        if rows is not None:
+            return self.record.nbytes // max(self.record.shape[0], 1) * (rows[1] - rows[0])
         return sum(r.nbytes for r in self.parts) if self.parts else self.record.nbytes
 
     @property
     def cast_nbytes(self) -> int:
-        """Bytes of the tensor in its target dtype, before quantization."""
-        return self.record.numel * self.dtype.itemsize
+        """Bytes of the tensor (this rank's part of it) in its target dtype, before quantization."""
+        numel = self.record.numel if self.shard is None else math.prod(self.shard.local_shape)
+        return numel * self.dtype.itemsize
 
     @property
     def final_nbytes(self) -> int:
-        """Bytes the tensor holds once loaded: quantized when it has a scheme."""
-        return self.scheme.stored_nbytes(self.record.shape) if self.scheme is not None else self.cast_nbytes
+        """Bytes the tensor (this rank's part of it) holds once loaded: quantized when it has a scheme."""
+        if self.scheme is None:
+            return self.cast_nbytes
+        return self.scheme.stored_nbytes(self.record.shape if self.shard is None else self.shard.local_shape)
 
 
 @dataclass
@@ -183,8 +204,10 @@ def make_plan(
                               f"module {names[0]!r} {list(tensor.shape)}")
         else:
             form = stored.get(rec.key) if not parts else None
-            plan.targets.append(Target(names, rec, is_param, _target_dtype(tensor, rec, dtype),
-                                       _target_device(tensor, device), form.parts if form else parts, stored=form))
+            shard = shard_of(tensor)
+            cast = tensor.dtype if shard is not None else _target_dtype(tensor, rec, dtype)  # filled in place
+            plan.targets.append(Target(names, rec, is_param, cast, _target_device(tensor, device),
+                                       form.parts if form else parts, stored=form, shard=shard))
     plan.unexpected = [key for key in unexpected if key not in used
                        and not (key in stored and used.intersection(p.key for p in stored[key].parts))]
     if bad_shapes:
@@ -290,7 +313,7 @@ def apply_dtype_fallback(plan: LoadPlan) -> dict[str, torch.dtype]:
     """
     decided: dict[str, torch.dtype] = {}
     for target in plan.targets:
-        if target.dtype != torch.bfloat16:
+        if target.dtype != torch.bfloat16 or target.shard is not None:  # a shard keeps its DTensor's dtype
             continue
         key = str(target.device)
         if key not in decided:

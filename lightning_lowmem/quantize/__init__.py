@@ -1,11 +1,12 @@
 """Quantization schemes: each ``nn.Linear`` weight quantized the moment it is read.
 
 ``schemes`` holds the base class and the registry (a scheme also knows its own sizes
-and its stored layout), ``bnb`` and ``torchao`` one file per library (``bnb_layout`` and
-``torchao_layout``: their weights as transformers saves them), ``selection`` the one
-rule that picks the Linears (marking the load plan), ``stored`` checkpoints that hold
-weights already quantized, ``rows`` quantizing a block of rows at a time,
-``quantizer`` the loader's side, ``nbytes`` what a quantized tensor really holds.
+and its stored layout), ``bnb`` and ``torchao`` one file per library (``nf4``: torchao's
+NF4 made by blocks of rows; ``bnb_layout`` and ``torchao_layout``: their weights as
+transformers saves them), ``selection`` the one rule that picks the Linears (marking the
+load plan), ``stored`` checkpoints that hold weights already quantized, ``rows``
+quantizing a block of rows at a time, ``quantizer`` the loader's side, ``nbytes`` what a
+quantized tensor really holds.
 
 Example::
 
@@ -29,6 +30,7 @@ from lightning_lowmem.quantize.schemes import (
     QuantScheme,
     StoredWeight,
     check_available,
+    check_shardable,
     make_scheme,
     parse_scheme,
     register_scheme,
@@ -36,7 +38,12 @@ from lightning_lowmem.quantize.schemes import (
 )
 from lightning_lowmem.quantize.selection import DEFAULT_SKIP, Selection, parse_skip, select_linears
 from lightning_lowmem.quantize.stored import StoredWeights, find_stored, mark_stored, scheme_of
-from lightning_lowmem.quantize.torchao import TorchaoInt4WeightOnly, TorchaoInt8Dynamic, TorchaoInt8WeightOnly
+from lightning_lowmem.quantize.torchao import (
+    TorchaoInt4WeightOnly,
+    TorchaoInt8Dynamic,
+    TorchaoInt8WeightOnly,
+    TorchaoNF4,
+)
 
 __all__ = [
     "DEFAULT_SKIP",
@@ -54,7 +61,9 @@ __all__ = [
     "TorchaoInt4WeightOnly",
     "TorchaoInt8Dynamic",
     "TorchaoInt8WeightOnly",
+    "TorchaoNF4",
     "check_available",
+    "check_shardable",
     "find_stored",
     "make_scheme",
     "mark_stored",

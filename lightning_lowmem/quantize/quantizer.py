@@ -101,6 +101,17 @@ class Quantizer:
         if target.device.type == "cpu":
             trim_after_first_forward(owner)
 
+    def load_shard(self, target: Target, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        """The ``index``-th of ``count`` row shards of the whole ``weight`` of ``target``, quantized
+        (:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.quantize_shard`); the caller copies it into place."""
+        module_name = self._modules[target.names[0]]
+        self.bytes_before += weight.nbytes // count
+        shard = self.scheme.quantize_shard(weight, index, count)
+        self.bytes_after += tensor_nbytes(shard)
+        self.quantized[module_name] = self.scheme.name
+        release_free_heap()  # the whole weight and its temporaries went: give them back before the next
+        return shard
+
 
 def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan,
                          device: torch.device) -> Quantizer:
@@ -119,6 +130,8 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
         check_available(checked, device)
     for module_name, weight_name in selection.chosen.items():
         old = module.get_submodule(module_name)
+        if scheme.built(old):  # built before the load (before the model was sharded): kept as it is
+            continue
         linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
         target = targets[weight_name]
         new = target.scheme.replace(linear, target.dtype)

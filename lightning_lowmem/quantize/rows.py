@@ -81,7 +81,7 @@ class RowSource:
 
 
 def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor], Sequence[torch.Tensor]],
-             lengths: Sequence[int] | int, align: int = 1) -> list[torch.Tensor]:
+             lengths: Sequence[int] | int, align: int = 1, chunk_elements: int | None = None) -> list[torch.Tensor]:
     """``quantize`` blocks of rows of ``weight``, writing each of its outputs into one tensor along dim 0.
 
     Args:
@@ -91,13 +91,14 @@ def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor]
         lengths: the dim-0 length of each output for the whole weight (dtype and other dims are
             taken from the first block's outputs); one int: the same for every output.
         align: block boundaries fall on multiples of this many elements (the scheme's blocksize).
+        chunk_elements: elements per block (default :data:`CHUNK_ELEMENTS`).
 
     Returns:
         The outputs for the whole weight: the same as ``quantize(weight)``.
     """
     source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
     rows = source.shape[0]
-    step = rows_per_chunk(source.shape, align)
+    step = rows_per_chunk(source.shape, align, chunk_elements)
     if step >= rows:
         return list(quantize(source.whole()))
     outputs: list[torch.Tensor] = []

@@ -27,10 +27,20 @@ scheme                        bytes                                             
                               (``5 * out``)
 ``torchao.int4wo``            ``ceil(n/2)`` + bf16 scale and zero per 128-group            0.53125
                               (``4 * ceil(n/128)``)
+``torchao.nf4``               ``n/2`` + int8 scale per 64-block (``n/64``) + a bf16 scale  0.5157
+                              per 256 of those (``2 * n/16384``) + bf16 mean (2) + the
+                              16-value bf16 code table (32); for bf16 weights
 ============================  =========================================================  ===========
 
 Every row but ``torchao.int4wo`` (whose kernels need CUDA here) is checked against what the
 library stores on CPU (bitsandbytes 0.50.2, torchao 0.18) by the tests.
+
+Under FSDP2 (parameters sharded by rows across ranks, see ``docs/many-ranks.md``) only a scheme
+with :attr:`~QuantScheme.shardable` works: its module is built before sharding
+(:meth:`~QuantScheme.replace` on the meta device), and each rank quantizes a whole weight and keeps
+its rows (:meth:`~QuantScheme.quantize_shard`). Of the registered schemes only ``torchao.nf4``
+does: bitsandbytes' ``Params4bit`` loses its ``quant_state`` under ``fully_shard``, and torchao's
+int8 and int4 tensors fail inside it (torch 2.13, torchao 0.18).
 
 :func:`register_scheme` files a class under its spelling in :data:`SCHEMES`; adding
 a scheme is adding a class (see ``bnb.py`` and ``torchao.py`` next to this file).
@@ -80,6 +90,8 @@ class QuantScheme:
     first_forward: ClassVar[float] = 2.0
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""
+    shardable: ClassVar[bool] = False
+    """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`quantize_shard`."""
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
@@ -165,6 +177,21 @@ class QuantScheme:
         """The ``quantization_config`` transformers reads a checkpoint of this scheme with, ``skip`` naming
         the Linears kept in full precision; None when transformers cannot read it."""
         return None
+
+
+    def built(self, module: nn.Module) -> bool:
+        """Whether ``module`` already is what :meth:`replace` makes (built before the model was sharded)."""
+        return False
+
+    def shard_reason(self, shape: tuple[int, ...], count: int) -> str | None:
+        """Why a weight of ``shape`` cannot be split by rows into ``count`` shards, or None when it can."""
+        return f"{self.name!r} cannot be sharded"
+
+    def quantize_shard(self, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        """The ``index``-th of ``count`` row shards of the whole ``weight`` quantized (schemes with
+        :attr:`shardable`): the whole weight is quantized, so that scales computed over all of it agree
+        on every rank, and the shard is cut out of the result as ``torch.chunk`` (and FSDP2) cut it."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -291,6 +318,24 @@ def library_classes(method: str) -> list[type[QuantScheme]]:
 def schemes_available_on(device: torch.device) -> list[str]:
     """The names of the registered schemes whose kernels run on ``device``."""
     return [name for name, cls in SCHEMES.items() if cls().unavailable_reason(device) is None]
+
+
+def check_shardable(scheme: QuantScheme, where: str) -> None:
+    """Raise :class:`UnsupportedQuantizationError` when ``scheme`` cannot be sharded across ranks.
+
+    Args:
+        scheme: the scheme asked for.
+        where: what is sharded, for the message (``"the model's parameters are DTensors"``).
+    """
+    if scheme.shardable:
+        return
+    shardable = [name for name, cls in SCHEMES.items() if cls.shardable]
+    raise UnsupportedQuantizationError(
+        f"Quantization scheme {scheme.name!r} cannot be sharded across ranks ({where}): its quantized weights "
+        f"do not survive torch's fully_shard (FSDP2). Schemes that shard: {format_names(shardable)}. Pass "
+        f"quantize={shardable[0] if shardable else None!r} for QLoRA under FSDP2, or load on one device "
+        "(strategy='lowmem'); nothing was read from the checkpoint."
+    )
 
 
 def check_available(scheme: QuantScheme, device: torch.device) -> None:

@@ -16,6 +16,9 @@ candidate stays in full precision when
   would break the tie,
 * its weight is not in the checkpoint, or the scheme cannot take it
   (:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.layer_reason`).
+
+A module that already is the scheme's own (``torchao.nf4``'s ``NF4Linear``, built on meta before the
+model was sharded) is a candidate too, under the same rules.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
     patterns = DEFAULT_SKIP if skip is None else skip
     selection = Selection(scheme)
     for name, mod in module.named_modules():
-        linear, transposed = as_linear(mod)
+        linear, transposed = (mod, False) if scheme.built(mod) else as_linear(mod)
         if linear is None:
             continue
         weight_name = f"{name}.weight" if name else "weight"

@@ -21,6 +21,13 @@ Sizes, measured on CPU in a fresh process (torchao 0.18): ``quantize_`` on one 5
 bf16 block holds 11-12 bytes per element (int8wo, int8dq); importing torchao costs 11.8 MiB and
 its first call 13.6 MiB. int4's transient (7 bytes per element of the whole weight) is not
 measured here (no CPU kernel).
+
+``torchao.nf4`` is QLoRA's NF4 in torchao's ``NF4Tensor``, the one quantized tensor that composes with
+FSDP2 (``fully_shard``): each Linear becomes an ``NF4Linear`` (see ``nf4.py``), built on meta before the
+model is sharded; each rank quantizes a whole weight and keeps its rows. Quantizing pythia-1b's
+8192 x 2048 weight by blocks of rows held 42-72 MiB above the bf16 weight (torchao's ``to_nf4`` on
+the whole weight: 134-143 MiB); its forward holds 16.5 bytes per weight element (a dequantized copy
+made through int64 codes).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch import nn
 
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.quantize import torchao_layout as layout
+from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_nbytes, quantize_rows
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, register_scheme
 
@@ -232,3 +240,67 @@ class TorchaoInt4WeightOnly(TorchaoScheme):
 
         packing = Int4PackingFormat.TILE_PACKED_TO_4D if device.type == "cuda" else Int4PackingFormat.PLAIN
         return Int4WeightOnlyConfig(group_size=self.group_size, int4_packing_format=packing)
+
+
+@register_scheme("torchao.nf4")
+@dataclass(frozen=True)
+class TorchaoNF4(QuantScheme):
+    """QLoRA's 4-bit NormalFloat in torchao's ``NF4Tensor``: the scheme that shards under FSDP2.
+
+    Each chosen Linear becomes an :class:`~lightning_lowmem.quantize.nf4.NF4Linear` (frozen, 4-bit weight;
+    its forward dequantizes to the input's dtype). On one device the whole weight is quantized; under FSDP2
+    each rank quantizes the whole weight's scales and keeps its rows (:meth:`quantize_shard`), which gives
+    the same numbers as quantizing on one device and sharding after.
+
+    Attributes:
+        block_size: weights per int8 scale.
+        scaler_block_size: int8 scales per scale of scales.
+    """
+
+    block_size: int = 64
+    scaler_block_size: int = 256
+    package: ClassVar[str] = "torchao"
+    shardable: ClassVar[bool] = True
+    transient: ClassVar[float] = 4.5
+    library_bytes: ClassVar[int] = 25 * 2**20
+    first_forward: ClassVar[float] = 16.5
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "scaler_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value!r}.")
+
+    def stored_nbytes(self, shape: tuple[int, ...]) -> int:
+        """4-bit codes, an int8 scale per block, a bf16 scale per ``scaler_block_size`` scales, a bf16 mean and
+        the 16-value bf16 code table (bf16 weights; fp32 ones store those three in fp32)."""
+        return nf4_nbytes(math.prod(shape), self.block_size, self.scaler_block_size)
+
+    def layer_reason(self, linear: nn.Linear, dtype: torch.dtype) -> str | None:
+        reason = super().layer_reason(linear, dtype)
+        unit = self.block_size * self.scaler_block_size
+        if reason is None and linear.weight.numel() % unit:
+            reason = (f"its {linear.weight.numel()} weights are not a multiple of block_size x scaler_block_size "
+                      f"= {unit}, which torchao's NF4 needs")
+        return reason
+
+    def shard_reason(self, shape: tuple[int, ...], count: int) -> str | None:
+        unit = self.block_size * self.scaler_block_size
+        if shape[0] % count:
+            return f"its {shape[0]} rows do not split evenly into {count} shards"
+        if (math.prod(shape) // unit) % count:
+            return f"its {math.prod(shape) // unit} blocks of {unit} weights do not split evenly into {count} shards"
+        return None
+
+    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+        return NF4Linear.on_meta(linear, dtype, self.block_size, self.scaler_block_size)
+
+    def built(self, module: nn.Module) -> bool:
+        return isinstance(module, NF4Linear)
+
+    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+        whole = weight.whole() if isinstance(weight, RowSource) else weight
+        module.weight = nn.Parameter(self.quantize_shard(whole, 0, 1), requires_grad=False)
+
+    def quantize_shard(self, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
+        return quantize_rows(weight.contiguous(), index, count, self.block_size, self.scaler_block_size)

@@ -171,3 +171,61 @@ def test_trainer_model_to_device_leaves_the_offloaded_layers_on_the_host(tiny_co
             assert handle.weights["transformer.h.1"].masters[0].device.type == "cpu"
         else:
             assert on_host == set()  # Lightning's own move takes every layer to the device
+
+
+TRAINER_FSDP = """
+import lightning as L
+from lightning.pytorch.strategies import ModelParallelStrategy
+from litgpt import GPT
+from lightning_lowmem import LowMemCallback
+from lightning_lowmem.placement import shard_model
+
+class Lit(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model, self.losses = None, []
+
+    def configure_model(self):
+        if self.model is None:  # built on meta by the callback, sharded here, loaded by the callback
+            self.model = shard_model(GPT(config()), self.device_mesh)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+data = torch.utils.data.DataLoader(torch.randint(0, 101, (8, 17), generator=torch.Generator().manual_seed(0)),
+                                   batch_size=2)
+callback = LowMemCallback(args["path"])
+trainer = L.Trainer(accelerator="cpu", devices=world, precision="bf16-true", max_steps=4, callbacks=[callback],
+                    strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1), logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+module = Lit()
+trainer.fit(module, data)
+emit(losses=module.losses, bytes_read=callback.report.bytes_read, shard_bytes=callback.report.shard_bytes,
+     sharded=all(type(p).__name__ == "DTensor" for p in module.model.parameters()))
+"""
+
+
+@pytest.mark.slow
+def test_model_parallel_trainer_loads_each_ranks_shard(run_ranks, shard_config, tiny_gpt, write_checkpoint,
+                                                       tmp_path):
+    """Lightning's own ModelParallelStrategy (FSDP2, 2 ranks on CPU): configure_model shards the model built on
+    meta; the callback then streams each rank's rows into its shards, and nothing is left for the strategy's
+    to_empty + reset_parameters."""
+    from litgpt import Config
+
+    state = tiny_gpt(Config(**shard_config), torch.bfloat16).state_dict()
+    path = write_checkpoint(state, "safetensors", tmp_path)
+    ranks = run_ranks(TRAINER_FSDP, dict(config=shard_config, path=str(path)), init=False, timeout=400)
+    total = sum(v.nbytes for v in state.values())
+    for result in ranks:
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = result.values
+        assert got["sharded"] and got["losses"][-1] < got["losses"][0]
+        assert got["bytes_read"] < 0.51 * total  # its own rows: half the file (the vocabulary splits 51 + 50)
+    assert sum(r.values["bytes_read"] for r in ranks) == total

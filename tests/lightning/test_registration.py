@@ -1,4 +1,5 @@
-"""``import lightning_lowmem`` does not import Lightning, and ``Fabric(strategy="lowmem")`` works in any import order.
+"""``import lightning_lowmem`` does not import Lightning, and ``Fabric(strategy="lowmem")`` (and ``"lowmem_fsdp"``)
+works in any import order.
 
 Each case runs in a fresh interpreter: which modules an import pulls in, and what it costs,
 can only be seen from a clean ``sys.modules``.
@@ -51,14 +52,16 @@ import json
 {imports}
 import lightning.fabric.strategies as registry_module
 fabric = L.Fabric(strategy="lowmem", accelerator="cpu", devices=1)
+fsdp = L.Fabric(strategy="lowmem_fsdp", accelerator="cpu", devices=2)
 print(json.dumps({{"strategy": type(fabric.strategy).__qualname__,
                   "same": type(fabric.strategy) is lightning_lowmem.LowMemStrategy,
-                  "listed": "lowmem" in registry_module.STRATEGY_REGISTRY.available_strategies(),
+                  "fsdp": type(fsdp.strategy) is lightning_lowmem.LowMemFSDPStrategy,
+                  "listed": {{"lowmem", "lowmem_fsdp"}} <= set(registry_module.STRATEGY_REGISTRY.available_strategies()),
                   "loader": type(registry_module.__loader__).__name__,
                   "callback": lightning_lowmem.LowMemCallback.__module__}}))
 """)
-    assert got == {"strategy": "LowMemStrategy", "same": True, "listed": True, "loader": "SourceFileLoader",
-                   "callback": "lightning_lowmem.lightning.callback"}
+    assert got == {"strategy": "LowMemStrategy", "same": True, "fsdp": True, "listed": True,
+                   "loader": "SourceFileLoader", "callback": "lightning_lowmem.lightning.callback"}
 
 
 def test_unknown_attribute_is_an_attribute_error():
@@ -66,4 +69,4 @@ def test_unknown_attribute_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="LowMemNothing"):
         lightning_lowmem.LowMemNothing  # noqa: B018
-    assert {"LowMemStrategy", "LowMemCallback", "load_checkpoint"} <= set(dir(lightning_lowmem))
+    assert {"LowMemStrategy", "LowMemFSDPStrategy", "LowMemCallback", "load_checkpoint"} <= set(dir(lightning_lowmem))
