@@ -69,7 +69,7 @@ class GGUFFile(OpenedFile):
 
     Attributes:
         layout: the header (version, alignment, where the data starts, tensors, fields).
-        metadata: the header's scalar fields (``general.architecture``, ``llama.block_count``, ...);
+        fields: the header's scalar fields (``general.architecture``, ``llama.block_count``, ...);
             array fields (the vocabulary) are left in the file (``layout.arrays`` says their lengths).
 
     Args:
@@ -81,7 +81,7 @@ class GGUFFile(OpenedFile):
         super().__init__(path, fd)
         self.gguf = import_gguf()
         self.layout: HeaderLayout = walk_header(self)
-        self.metadata = self.layout.metadata
+        self.fields = self.layout.metadata
         if self.layout.split_count > 1:
             raise CheckpointFormatError(
                 f"{path} is one of {self.layout.split_count} parts of a split GGUF model. Merge the parts into one "
@@ -116,6 +116,10 @@ class GGUFFile(OpenedFile):
 
     def records(self) -> dict[str, TensorRecord]:
         return self._records
+
+    def metadata(self) -> dict[str, str]:
+        """Nothing: a GGUF file's fields are not text beside the tensors (they are :attr:`fields`)."""
+        return {}
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         rec = self._records[key]

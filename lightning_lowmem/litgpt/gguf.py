@@ -63,7 +63,7 @@ def read_gguf_source(checkpoint: Checkpoint, tokenizer: bool = True) -> GGUFSour
     """Config and (with ``tokenizer``) tokenizer of a GGUF checkpoint: transformers' parse of its header."""
     file = gguf_file_of(checkpoint)
     parsed = gguf_parsed(checkpoint)
-    meta = file.metadata
+    meta = file.fields
     names = [str(meta[k]) for k in ("general.name", "general.basename") if isinstance(meta.get(k), str)]
     parts = [meta.get(k) for k in ("general.basename", "general.size_label", "general.finetune")]
     if all(isinstance(p, str) for p in parts[:2]):

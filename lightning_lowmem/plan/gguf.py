@@ -142,7 +142,7 @@ def gguf_to_transformers(checkpoint: str | Path | Checkpoint, model: nn.Module) 
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
     file = gguf_file_of(checkpoint)
-    architecture = str(file.metadata.get("general.architecture", ""))
+    architecture = str(file.fields.get("general.architecture", ""))
     processor = tensor_processor(file)
     records = checkpoint.records
     names = {key: name for key, name in get_gguf_hf_weights_map(model, processor).items() if key in records}
@@ -163,15 +163,15 @@ def tensor_processor(file: GGUFFile) -> Any:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    architecture = str(file.metadata.get("general.architecture", ""))
+    architecture = str(file.fields.get("general.architecture", ""))
     cls = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
     if cls.__name__ not in STREAMED_PROCESSORS:
         raise CheckpointFormatError(
             f"{file.path} is a {architecture!r} GGUF file, whose tensors transformers rebuilds with {cls.__name__} "
             "(merging, transposing or reshaping them), which lightning_lowmem cannot do one tensor at a time. "
             "Load it with transformers' from_pretrained(gguf_file=...).")
-    config = {hf: file.metadata[f"{architecture}.{key}"] for key, hf in GGUF_CONFIG_MAPPING.get(architecture, {}).items()
-              if hf and f"{architecture}.{key}" in file.metadata}
+    config = {hf: file.fields[f"{architecture}.{key}"] for key, hf in GGUF_CONFIG_MAPPING.get(architecture, {}).items()
+              if hf and f"{architecture}.{key}" in file.fields}
     return cls(config=config)
 
 
