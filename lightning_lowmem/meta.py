@@ -50,6 +50,12 @@ def init_empty(include_buffers: bool = False) -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def fabric_unwrapped(module: nn.Module) -> nn.Module:
+    """The module under Lightning Fabric's wrapper (what ``fabric.setup`` returns), else ``module`` itself."""
+    inner = getattr(module, "_original_module", None)
+    return inner if isinstance(inner, nn.Module) else module
+
+
 def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The submodule that holds tensor ``name`` and the tensor's local name."""
     path, _, leaf = name.rpartition(".")

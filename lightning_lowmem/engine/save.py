@@ -25,6 +25,7 @@ from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats.safetensors_writer import TensorToWrite, write_sharded
 from lightning_lowmem.memory.units import parse_bytes
+from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import architecture_of
 from lightning_lowmem.quantize import QuantScheme
 from lightning_lowmem.quantize.schemes import library_classes
@@ -67,7 +68,8 @@ def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int 
     ``config.json`` (with its ``quantization_config``), a litgpt ``GPT`` its ``model_config.yaml``.
 
     Args:
-        module: the module to save; nothing of it may be on the meta device.
+        module: the module to save (or what ``fabric.setup`` made of it); nothing of it may be on the meta
+            device.
         path: a directory (made if missing). Files of an earlier save there under the names this one uses
             (``model.safetensors``, ``model-0000i-of-0000n.safetensors``, the index) are replaced or removed.
         max_shard_size: bytes per file (an int, or ``"5GB"``, ``"500MiB"``); past it the tensors are split
@@ -90,6 +92,7 @@ def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int 
     if directory.suffix in (".safetensors", ".json") or directory.is_file():
         raise ValueError(f"save_checkpoint writes a directory (as save_pretrained does); {str(path)!r} names a "
                          "file. Pass the directory to write model.safetensors into.")
+    module = fabric_unwrapped(module)
     state = module_state(module)
     written = write_sharded(directory, state.tensors, state.metadata, parse_bytes(max_shard_size))
     architecture_of(module).save_config(module, directory, transformers_config(module, state))
@@ -102,6 +105,7 @@ def module_state(module: nn.Module) -> ModuleState:
     Raises:
         MetaTensorError: tensors of ``module`` are still on meta.
     """
+    module = fabric_unwrapped(module)  # its names, not the wrapper's
     state, seen, on_meta = ModuleState(), set(), []
     cache = _Latest()
     for name, mod in module.named_modules():

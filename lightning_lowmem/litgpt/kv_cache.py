@@ -25,6 +25,7 @@ from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.litgpt.guard import install_cache_guard
 from lightning_lowmem.litgpt.rope import is_litgpt_like, resize_rope
+from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import CacheBytes
 
 
@@ -109,8 +110,8 @@ def cache_bytes(model: nn.Module) -> CacheBytes:
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module under Fabric's wrapper (``_FabricModule``) or litgpt's ``LLM``."""
     for _ in range(8):
-        inner = getattr(model, "_original_module", None)
-        if not isinstance(inner, nn.Module):
+        inner = fabric_unwrapped(model)
+        if inner is model:
             inner = getattr(model, "model", None) if type(model).__name__ == "LLM" else None
         if not isinstance(inner, nn.Module):
             return model
