@@ -6,6 +6,7 @@
     generate  litgpt generate, with the model streamed in     (generate.py)
     chat      litgpt chat, with the model streamed in         (chat.py)
     inspect   what a checkpoint holds, and whether it fits    (inspect_checkpoint.py)
+    quantize  a pre-quantized copy, loaded as stored after    (quantize.py)
 
 ``commands.py`` builds the parser and turns errors into exit codes (``exits.py``);
 ``options.py`` holds the flags the subcommands share, spelled as litgpt spells them;

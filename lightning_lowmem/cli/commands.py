@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lightning_lowmem.cli import chat, estimate, generate, inspect_checkpoint
+from lightning_lowmem.cli import chat, estimate, generate, inspect_checkpoint, quantize
 from lightning_lowmem.cli.exits import EXIT_ARGUMENT, EXIT_CODES, exit_code, print_error
 from lightning_lowmem.cli.options import resolve_checkpoint
 
-SUBCOMMANDS = (estimate, generate, chat, inspect_checkpoint)
+SUBCOMMANDS = (estimate, generate, chat, inspect_checkpoint, quantize)
 
 EPILOG = """examples:
   lightning-lowmem estimate pythia-1b --quantize bnb.nf4 --max_seq_length 2048
   lightning-lowmem inspect checkpoints/EleutherAI/pythia-1b
   lightning-lowmem generate checkpoints/EleutherAI/pythia-1b --prompt "What do llamas eat?" --quantize bnb.nf4
   lightning-lowmem chat checkpoints/meta-llama/Llama-3.2-1B-Instruct --quantize bnb.nf4
+  lightning-lowmem quantize checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --out pythia-1b-nf4
 
 `lightning-lowmem SUBCOMMAND --help` tells more. The same runs as `python -m lightning_lowmem`.
 """ + EXIT_CODES

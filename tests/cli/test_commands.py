@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBCOMMANDS = ["estimate", "generate", "chat", "inspect"]
+SUBCOMMANDS = ["estimate", "generate", "chat", "inspect", "quantize"]
 
 
 def test_the_console_script_is_cli_main():

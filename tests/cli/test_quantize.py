@@ -1,0 +1,79 @@
+"""``lightning-lowmem quantize``: a copy that loads as stored, holds what quantize-on-load makes bit for bit, and
+generates the same text; an HF directory converted without quantizing; a copy over its own source refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_lowmem.cli import main
+
+PROMPT = "t5 t17 t3 t99 t42 t8"
+
+
+@pytest.fixture(scope="module")
+def wide_chat_dir(tmp_path_factory, tiny_config, write_litgpt_dir):
+    """``chat_model_dir``'s model 128 wide: bitsandbytes' CPU kernel for one token at a time needs Linears at least
+    one 64-element block wide."""
+    from litgpt.prompts import save_prompt_style
+
+    directory = write_litgpt_dir(tmp_path_factory.mktemp("chat") / "tiny-chat", tiny_config(n_embd=128),
+                                 torch.bfloat16)
+    save_prompt_style("alpaca", directory)
+    return directory
+
+
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "torchao.int8wo"])
+def test_the_copy_loads_as_stored_and_generates_what_quantize_on_load_generates(tmp_path, wide_chat_dir, capsys,
+                                                                                 scheme):
+    from lightning_lowmem.engine import module_state
+    from lightning_lowmem.litgpt.generation import load_for_generation
+
+    out = tmp_path / "copy"
+    assert main(["quantize", str(wide_chat_dir), "--quantize", scheme, "--out", str(out), "--device", "cpu"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("model.safetensors", "model_config.yaml", "tokenizer.json", "tokenizer_config.json",
+                 "prompt_style.yaml"):
+        assert (out / name).is_file() and str(out / name) in listed, name
+
+    on_load, _, _ = load_for_generation(wide_chat_dir, quantize=scheme, device="cpu")
+    copy, _, report = load_for_generation(out, device="cpu")
+    assert report.prequantized and set(report.prequantized.values()) == {scheme}
+    assert report.quantized_bytes_before == 0  # nothing quantized again
+    want, got = ({t.key: t.get() for t in module_state(m).tensors} for m in (on_load, copy))
+    assert want.keys() == got.keys() and any(k.endswith(".absmax") or k.endswith("_qdata") for k in want)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+    flags = ["--prompt", PROMPT, "--max_new_tokens", "8", "--top_k", "1", "--device", "cpu"]
+    assert main(["generate", str(wide_chat_dir), *flags, "--quantize", scheme]) == 0
+    expected = capsys.readouterr().out
+    assert main(["generate", str(out), *flags]) == 0  # no --quantize: the file says the scheme
+    assert capsys.readouterr().out == expected
+
+
+def test_without_quantize_an_hf_directory_becomes_litgpts_names_in_safetensors(tmp_path, pythia_14m_hf_dir, capsys):
+    from safetensors import safe_open
+
+    directory, hf = pythia_14m_hf_dir
+    out = tmp_path / "lit"
+    assert main(["quantize", str(directory), "--out", str(out), "--precision", "32-true", "--device", "cpu"]) == 0
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "transformer.h.0.attn.qkv.weight" in keys and not any(k.startswith("gpt_neox.") for k in keys)
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "5 17 3 99", "--max_new_tokens", "5", "--top_k", "1",
+                 "--precision", "32-true", "--device", "cpu"]) == 0
+    expected = hf.generate(torch.tensor([[5, 17, 3, 99]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert capsys.readouterr().out.split() == [str(t) for t in expected[0].tolist()]
+
+
+def test_a_copy_over_its_own_checkpoint_is_refused_before_any_read(chat_model_dir, read_recorder, capsys):
+    before = sorted(p.name for p in chat_model_dir.iterdir())
+    assert main(["quantize", str(chat_model_dir), "--quantize", "bnb.nf4", "--out", str(chat_model_dir)]) == 2
+    assert "the checkpoint's own directory" in capsys.readouterr().err
+    assert read_recorder.keys == [] and sorted(p.name for p in chat_model_dir.iterdir()) == before
+
+
+def test_a_bad_shard_size_is_refused_before_any_read(tmp_path, chat_model_dir, read_recorder, capsys):
+    assert main(["quantize", str(chat_model_dir), "--out", str(tmp_path / "x"), "--max_shard_size", "five"]) == 2
+    assert "five" in capsys.readouterr().err and read_recorder.keys == []
