@@ -1,0 +1,286 @@
+"""Per-rank memory of loading one checkpoint into a model sharded across 2 processes (FSDP2, gloo, CPU).
+
+    python benchmarks/sharded_load.py                              # pythia-410m, then pythia-1b
+    python benchmarks/sharded_load.py --models pythia-410m --methods lowmem_fsdp lowmem_fsdp-nf4
+
+Random bf16 weights with litgpt's architecture are written once (``benchmarks/common.py``, cached in
+--workdir) as ``bf16.safetensors`` and ``bf16.pth`` (a bare state dict, as litgpt's ``lit_model.pth``;
+Lightning's and torch's loaders read torch files). Each method runs in 2 fresh processes that form one
+gloo process group, each rank measuring itself:
+
+- ``fsdp1``: Lightning's ``FSDPStrategy`` (FSDP1): ``init_module(empty_init=True)`` + ``setup`` + ``load_raw``,
+- ``mp-load_raw``: Lightning's ``ModelParallelStrategy`` (FSDP2, each block ``fully_shard``-ed):
+  ``init_module(empty_init=True)`` + ``setup`` (``to_empty`` + ``reset_parameters``) + ``load_raw(bf16.pth)``,
+- ``torch-set_model_state_dict``: meta model, ``fully_shard``, ``to_empty``, then torch's
+  ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``, rank 0 holding
+  ``torch.load(bf16.pth, mmap=True)``,
+- ``dcp-hf``: meta model, ``fully_shard``, ``to_empty``, then ``torch.distributed.checkpoint.load`` of the sharded
+  state dict with ``HuggingFaceStorageReader`` over the safetensors file,
+- ``lowmem_fsdp`` / ``lowmem_fsdp-pth``: ``Fabric(strategy="lowmem_fsdp")``: ``init_module()`` + ``setup`` +
+  ``load_raw`` of ``bf16.safetensors`` / ``bf16.pth``,
+- ``lowmem_fsdp-nf4``: the same with ``quantize="torchao.nf4"`` (QLoRA's frozen base).
+
+Every process imports torch, lightning, litgpt, torchao and lightning_lowmem and joins the process group
+first, then measures from its RSS just before it builds the model: the peak RSS (the kernel's high-water
+mark) until the model is loaded, the bytes of its own shards, the bytes it read (``read``/``pread`` system
+calls, ``rchar`` in ``/proc/self/io``, plus the growth of its file-backed RSS: pages of mapped files it
+touched), and the wall seconds of build + setup + load. Each method starts with its checkpoint file read
+once into the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import ROOT, WORKDIR, MiB, environment, markdown, warm_page_cache, write_checkpoints
+
+METHODS = ["fsdp1", "mp-load_raw", "torch-set_model_state_dict", "dcp-hf", "lowmem_fsdp", "lowmem_fsdp-pth",
+           "lowmem_fsdp-nf4"]
+CHECKPOINT_OF = {"fsdp1": "bf16.pth", "mp-load_raw": "bf16.pth", "torch-set_model_state_dict": "bf16.pth",
+                 "dcp-hf": "bf16.safetensors", "lowmem_fsdp": "bf16.safetensors", "lowmem_fsdp-pth": "bf16.pth",
+                 "lowmem_fsdp-nf4": "bf16.safetensors"}
+MARGIN = 64 * MiB
+
+
+# ---------------------------------------------------------------- one rank
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def rank_main(method: str, model_name: str, paths: dict[str, Path]) -> dict:
+    """Load with ``method`` on this rank and return what it measured."""
+    import lightning  # noqa: F401  (every method pays the same imports before measuring)
+    import litgpt
+    import torchao.quantization  # noqa: F401
+
+    import lightning_lowmem.memory.monitor as monitor
+    from lightning_lowmem.engine.shards import shard_nbytes
+
+    config = litgpt.Config.from_name(model_name)
+    setup = SETUPS[method.split("-")[0] if method.startswith("lowmem") else method]
+    try:
+        ready = setup(method, config)  # the process group joined, the strategy ready
+    except Exception as e:  # noqa: BLE001  (a strategy Lightning refuses here is a result)
+        return {"error": f"{type(e).__name__}: {e}"}
+    file_start, rchar_start = _status("RssFile"), _rchar()
+    monitor._reset_peak_rss()
+    with monitor.MemoryMonitor() as mon:
+        monitor._reset_peak_rss = lambda: True  # the loader's own monitors must not reset the high-water mark
+        model = ready(paths[CHECKPOINT_OF[method]])
+    import torch.distributed as dist
+
+    result = {"peak": max(mon.usage.rss_peak, _status("VmHWM")) - mon.usage.rss_start,
+              "shard": shard_nbytes(model), "read": _rchar() - rchar_start + max(mon.usage.file_peak - file_start, 0),
+              "seconds": mon.usage.seconds}
+    dist.barrier()
+    return result
+
+
+def _fabric(strategy: object) -> object:
+    import lightning as L
+
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+                      precision="bf16-true")
+    fabric.launch()
+    return fabric
+
+
+def _lightning(method: str, config: object):
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from litgpt import GPT
+
+    from lightning_lowmem.placement import shard_model
+
+    world = int(os.environ["WORLD_SIZE"])
+    strategy = "fsdp" if method == "fsdp1" else ModelParallelStrategy(shard_model, world, 1)
+    fabric = _fabric(strategy)
+
+    def load(path: Path) -> torch.nn.Module:
+        with fabric.init_module(empty_init=True):
+            model = GPT(config)
+        model = fabric.setup(model)
+        fabric.load_raw(path, model)
+        return model.module
+
+    return load
+
+
+def _lowmem(method: str, config: object):
+    from litgpt import GPT
+
+    from lightning_lowmem import LowMemFSDPStrategy
+
+    fabric = _fabric(LowMemFSDPStrategy(quantize="torchao.nf4" if method.endswith("nf4") else None))
+
+    def load(path: Path) -> torch.nn.Module:
+        with fabric.init_module():
+            model = GPT(config)
+        model = fabric.setup(model)
+        fabric.load_raw(path, model)
+        return model.module
+
+    return load
+
+
+def _torch(method: str, config: object):
+    import torch.distributed as dist
+    from litgpt import GPT
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_lowmem.placement import shard_model
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def load(path: Path) -> torch.nn.Module:
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("meta"):
+            model = GPT(config)
+        torch.set_default_dtype(torch.float32)
+        model = shard_model(model, mesh).to_empty(device="cpu")
+        if method == "dcp-hf":
+            _dcp_hf(model, path)
+        else:
+            _set_model_state_dict(model, path)
+        return model
+
+    return load
+
+
+def _set_model_state_dict(model: torch.nn.Module, path: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = torch.load(path, mmap=True, weights_only=True) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def _dcp_hf(model: torch.nn.Module, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    directory = path.parent / "dcp-hf"  # the safetensors file alone (the reader reads every file in its directory)
+    directory.mkdir(exist_ok=True)
+    link = directory / "model.safetensors"
+    if not link.exists():
+        link.symlink_to(path)
+    state = get_model_state_dict(model)
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(directory)))
+
+
+SETUPS = {"fsdp1": _lightning, "mp-load_raw": _lightning, "torch-set_model_state_dict": _torch, "dcp-hf": _torch,
+          "lowmem_fsdp": _lowmem}
+
+
+# ---------------------------------------------------------------- the driver
+
+def run_ranks(method: str, model_name: str, workdir: Path, world: int, timeout: float) -> list[dict]:
+    """``method`` in ``world`` fresh processes forming one gloo group; each rank's JSON result."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    logs = workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+        out = open(logs / f"{method}-{rank}.out", "w")
+        err = open(logs / f"{method}-{rank}.err", "w")
+        args = [sys.executable, __file__, "--rank-of", method, "--models", model_name, "--workdir", str(workdir)]
+        procs.append((subprocess.Popen(args, stdout=out, stderr=err, env=env), out, err))
+    deadline, results = time.monotonic() + timeout, []
+    for rank, (proc, out, err) in enumerate(procs):
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            for other, _, _ in procs:
+                other.kill()
+            proc.wait()
+        out.close()
+        err.close()
+        lines = [line for line in (logs / f"{method}-{rank}.out").read_text().splitlines() if line.startswith("{")]
+        tail = ((logs / f"{method}-{rank}.err").read_text().strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        results.append(json.loads(lines[-1]) if lines else {"error": tail[:160]})
+    return results
+
+
+def bounds(model_name: str) -> dict[str, int]:
+    """The largest tensor and the largest quantized (``torchao.nf4``) Linear weight, in bf16 bytes."""
+    from litgpt import GPT, Config
+
+    with torch.device("meta"):
+        model = GPT(Config.from_name(model_name))
+    largest = max(p.numel() * 2 for p in model.parameters())
+    linear = max(m.weight.numel() * 2 for n, m in model.named_modules()
+                 if type(m) is torch.nn.Linear and n != "lm_head")
+    return {"largest": largest, "linear": linear}
+
+
+def table(rows: list[tuple[str, str, list[dict]]]) -> str:
+    header = ["model", "method", "checkpoint", "peak above imports MiB, rank 0 / 1 (1 run)",
+              "own shard MiB, rank 0 / 1", "peak / shard, rank 0 / 1", "bytes read MiB, rank 0 / 1 (1 run)",
+              "load s, rank 0 / 1 (1 run, wall)", "bound MiB, rank 0 (within?)"]
+    out = []
+    for model_name, method, ranks in rows:
+        if any("error" in r for r in ranks):
+            error = next(r["error"] for r in ranks if "error" in r)
+            out.append([model_name, method, CHECKPOINT_OF[method], error[:110], "", "", "", "", ""])
+            continue
+        b = bounds(model_name)
+        bound = ""
+        if method.startswith("lowmem"):
+            extra = b["linear"] if method.endswith("nf4") else b["largest"]
+            limit = ranks[0]["shard"] + extra + MARGIN
+            bound = f"{limit / MiB:.0f} ({'yes' if ranks[0]['peak'] <= limit else 'NO'})"
+        pair = lambda key, scale=MiB, fmt=".0f": " / ".join(f"{r[key] / scale:{fmt}}" for r in ranks)  # noqa: E731
+        out.append([model_name, method, CHECKPOINT_OF[method], pair("peak"), pair("shard"),
+                    " / ".join(f"{r['peak'] / r['shard']:.2f}" for r in ranks), pair("read"),
+                    pair("seconds", 1, ".1f"), bound])
+    return markdown(header, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=["pythia-410m", "pythia-1b"])
+    parser.add_argument("--methods", nargs="*", default=METHODS, choices=METHODS)
+    parser.add_argument("--workdir", type=Path, default=WORKDIR)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per method")
+    parser.add_argument("--rank-of", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_of:
+        paths = write_checkpoints(args.models[0], args.workdir, ["bf16.safetensors", "bf16.pth"])
+        print(json.dumps(rank_main(args.rank_of, args.models[0], paths)), flush=True)
+        return
+    rows = []
+    for model_name in args.models:
+        paths = write_checkpoints(model_name, args.workdir, ["bf16.safetensors", "bf16.pth"])
+        for method in args.methods:
+            warm_page_cache(paths[CHECKPOINT_OF[method]])  # every method starts with its file in the page cache
+            rows.append((model_name, method, run_ranks(method, model_name, args.workdir, args.world, args.timeout)))
+            print(f"  ran {model_name} / {method}: {rows[-1][2]}", file=sys.stderr, flush=True)
+    print(environment(["lightning", "litgpt", "torchao"]))
+    print(f"{args.world} processes (gloo, CPU), random bf16 weights; bound: own shard + the largest tensor "
+          f"(nf4: + the largest quantized weight in bf16) + 64 MiB\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
