@@ -84,6 +84,13 @@ def check_sharded(prepared: PreparedLoad) -> None:
     if not shards:
         return
     options, module = prepared.options, prepared.module
+    stored = [t.names[0] for t in shards if t.stored is not None]
+    if stored:
+        raise UnsupportedQuantizationError(
+            f"{prepared.plan.files} holds {format_names(stored)} already quantized, and "
+            "these tensors of the module are DTensors: weights stored quantized cannot be sharded (only "
+            "'torchao.nf4' shards, and it is made on load). Load this checkpoint into an unsharded model, or "
+            "load a full-precision checkpoint with quantize='torchao.nf4'; nothing was read.")
     if options.scheme is not None:
         check_shardable(options.scheme, f"{len(shards)} tensors of the module are DTensors")
     other_dtype = [t.names[0] for t in shards if options.dtype is not None and t.record.dtype.is_floating_point

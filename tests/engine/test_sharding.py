@@ -113,3 +113,45 @@ def test_nf4_sharded_forward_equals_the_single_device_nf4_forward(run_ranks, sha
         assert result.values["reads"] == 0  # refused before any read
         assert result.values["equal"]
         assert len(result.values["quantized"]) == 8
+
+
+STORED_SHARDED = """
+from litgpt import GPT
+from lightning_lowmem import Checkpoint, init_empty, load_checkpoint
+from lightning_lowmem.placement import shard_model
+
+reads = []
+real = Checkpoint.read
+Checkpoint.read = lambda self, key, *a, **k: reads.append(key) or real(self, key, *a, **k)
+torch.set_default_dtype(torch.bfloat16)
+with init_empty():
+    model = GPT(config())
+torch.set_default_dtype(torch.float32)
+model = shard_model(model, mesh)
+try:
+    load_checkpoint(model, args["path"], progress=False)
+    emit(error=None)
+except Exception as e:
+    emit(error=[type(e).__name__, str(e)], meta=all(p.is_meta for p in model.parameters()),
+         quant_state_reads=[k for k in reads if "quant_state" not in k])
+"""
+
+
+def test_weights_stored_quantized_are_refused_by_a_sharded_model_before_any_read(run_ranks, shard_config, tiny_gpt,
+                                                                                  write_checkpoint, tmp_path):
+    """A pre-quantized checkpoint cannot fill DTensor shards: every rank says so, and reads no weight."""
+    from litgpt import Config
+
+    from lightning_lowmem import load_checkpoint, save_checkpoint
+    from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
+
+    config = Config(**shard_config)
+    path = write_checkpoint(tiny_gpt(config, torch.bfloat16, std=0.3).state_dict(), "safetensors", tmp_path)
+    model = build_meta_gpt(config)
+    load_checkpoint(model, path, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
+    save_checkpoint(model, tmp_path / "nf4")
+    for result in run_ranks(STORED_SHARDED, dict(config=shard_config, path=str(tmp_path / "nf4"))):
+        assert result.returncode == 0, result.stderr[-3000:]
+        kind, message = result.values["error"]
+        assert kind == "UnsupportedQuantizationError" and "already quantized" in message and "torchao.nf4" in message
+        assert result.values["meta"] and result.values["quant_state_reads"] == []  # only the quant states' JSON
