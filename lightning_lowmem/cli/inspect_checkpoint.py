@@ -72,8 +72,10 @@ class Summary:
 
 def run(args: argparse.Namespace) -> int:
     """Inspect, print; exit 1 when the checkpoint does not fit its config."""
+    from lightning_lowmem.litgpt.checkpoint_dir import litgpt_weights
+
     path = Path(args.checkpoint).expanduser()
-    with Checkpoint.open(_weights(path)) as ckpt:
+    with Checkpoint.open(litgpt_weights(path)) as ckpt:
         summary = summarize(path, ckpt)
         config, source, note = _config(path, args.config, ckpt)
         summary.config_note = note
@@ -169,12 +171,6 @@ def _config(path: Path, name_or_yaml: str | None, ckpt: Checkpoint) -> tuple[Any
     except (ValueError, CheckpointFormatError) as e:
         return None, "", f"{e} (pass --config NAME to check the fit)"
     return config, source, ""
-
-
-def _weights(path: Path) -> Path:
-    """The file(s) to inspect: a directory's ``lit_model.pth`` when it has one (what ``generate`` and ``chat``
-    load, as litgpt does), else what the path stands for."""
-    return path / "lit_model.pth" if path.is_dir() and (path / "lit_model.pth").is_file() else path
 
 
 def _format_of(file: Any) -> str:

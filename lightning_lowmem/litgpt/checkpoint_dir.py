@@ -144,6 +144,12 @@ def _is_gguf(path: Path) -> bool:
         return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
+def litgpt_weights(path: Path) -> Path:
+    """A directory's ``lit_model.pth`` when it has one (what ``generate`` and ``chat`` load, as litgpt does),
+    else ``path`` itself (what :class:`~lightning_lowmem.formats.Checkpoint` finds there)."""
+    return path / "lit_model.pth" if path.is_dir() and (path / "lit_model.pth").is_file() else path
+
+
 def _weights_file(directory: Path) -> Path:
     if (directory / "lit_model.pth").is_file():
         return directory / "lit_model.pth"

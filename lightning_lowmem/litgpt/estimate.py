@@ -26,7 +26,7 @@ from lightning_lowmem.engine import (
 )
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint, TensorRecord
-from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near
+from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near, litgpt_weights
 from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.placement import MaxMemory
@@ -121,7 +121,8 @@ def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype, opti
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
         return model, records, source.name, f"the config {source.name!r}", None, StoredWeights()
     conversion = None
-    with Checkpoint.open(source) as ckpt:
+    weights = litgpt_weights(Path(source)) if isinstance(source, (str, Path)) else source  # what generate loads
+    with Checkpoint.open(weights) as ckpt:
         records, files, stored = dict(ckpt.records), ckpt.description, stored_in(ckpt, options)
         if ckpt.gguf is not None:  # the config and the conversion from the file, as generate() makes them
             found = read_gguf_source(ckpt, tokenizer=False)

@@ -184,3 +184,17 @@ def test_prequantized_checkpoints_are_counted_at_their_stored_bytes(tmp_path, ti
     _, _, report = load_for_generation(directory, precision="bf16-true")
     est = estimate_memory(directory, max_seq_length=16)
     assert est.weights == report.bytes_loaded and est.quantized_weights > 0
+
+
+def test_a_directory_holding_lit_model_pth_is_estimated_from_it_as_generate_loads_it(tmp_path, tiny_config,
+                                                                                      write_litgpt_dir):
+    """Beside a safetensors file, ``lit_model.pth`` is what ``generate`` loads: the estimate reads the same file."""
+    import safetensors.torch
+
+    directory = write_litgpt_dir(tmp_path / "pythia-tiny", tiny_config(), dtype=torch.float32, tokenizer=False)
+    state = torch.load(directory / "lit_model.pth", weights_only=True)
+    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, directory / "model.safetensors")
+    config = tiny_config()
+    by_dir = estimate_memory(directory, config=config, max_seq_length=16).to_dict()
+    assert by_dir == estimate_memory(directory / "lit_model.pth", config=config, max_seq_length=16).to_dict()
+    assert by_dir != estimate_memory(directory / "model.safetensors", config=config, max_seq_length=16).to_dict()
