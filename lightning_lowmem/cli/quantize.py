@@ -40,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "is in --precision (a conversion to litgpt's names and safetensors).",
         epilog=EPILOG)
     add_checkpoint(parser, "the checkpoint directory or file")
-    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write (made if missing)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR",
+                        help="the directory to write (made if missing)")
     parser.add_argument("--quantize", default=None, metavar="SCHEME", help=f"one of {', '.join(SCHEMES)}")
     parser.add_argument("--skip_quantize", default=None, metavar="NAMES",
                         help="comma-separated module names or patterns kept in full precision (default: lm_head)")

@@ -14,15 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.engine import opened
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.lightning.state import other_entries, weights_key
-from lightning_lowmem.meta import has_meta
+from lightning_lowmem.lightning.state import other_entries, restore_entries, weights_key
 
 _UNFILLED = "_lowmem_unfilled"
 
@@ -63,18 +61,11 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
         if key is not None:
             stream(ckpt, state[key])
     model = state[key] if key is not None else next((v for v in state.values() if isinstance(v, nn.Module)), None)
-    for name, obj in state.copy().items():
-        if name == key or name not in rest:
-            continue
-        if isinstance(obj, Optimizer) and model is not None:
-            _load_optimizer(model, obj, rest.pop(name), strict)
-        elif isinstance(obj, nn.Module):
-            obj.load_state_dict(rest.pop(name), strict=strict, assign=has_meta(obj))
-        elif isinstance(obj, _Stateful):
-            obj.load_state_dict(rest.pop(name))
-        else:
-            state[name] = rest.pop(name)
-    return rest
+
+    def load_optimizer(optimizer: Optimizer, saved: dict[str, Any]) -> None:
+        _load_optimizer(model, optimizer, saved, strict)
+
+    return restore_entries(state, rest, key, strict, load_optimizer if model is not None else None)
 
 
 def _load_optimizer(model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], strict: bool) -> None:

@@ -7,12 +7,13 @@ the loaded parameters, and a checkpoint's entries beside the weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
@@ -86,6 +87,25 @@ def weights_key(ckpt: Checkpoint, state: Mapping[str, Any]) -> str | None:
         return ckpt.entry if isinstance(state.get(ckpt.entry), nn.Module) else None
     modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
     return modules[0] if len(modules) == 1 else None
+
+
+def restore_entries(state: dict[str, Any], rest: dict[str, Any], key: str | None, strict: bool,
+                    load_optimizer: Callable[[Optimizer, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Restore each entry of ``state`` but the weights' (``key``) from the checkpoint's ``rest``, as Lightning's
+    ``fabric.load`` does (modules, stateful objects, plain values; optimizers by ``load_optimizer`` when given, else
+    as stateful objects); returns what ``state`` did not ask for."""
+    for name, obj in state.copy().items():
+        if name == key or name not in rest:
+            continue
+        if load_optimizer is not None and isinstance(obj, Optimizer):
+            load_optimizer(obj, rest.pop(name))
+        elif isinstance(obj, nn.Module):
+            obj.load_state_dict(rest.pop(name), strict=strict, assign=has_meta(obj))
+        elif isinstance(obj, _Stateful):
+            obj.load_state_dict(rest.pop(name))
+        else:
+            state[name] = rest.pop(name)
+    return rest
 
 
 def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: bool | None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _DEVICE, _Stateful
+from lightning.fabric.utilities.types import _DEVICE
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -41,9 +41,10 @@ from lightning_lowmem.lightning.state import (
     other_entries,
     plugin_dtype,
     remap_optimizer_params,
+    restore_entries,
     weights_key,
 )
-from lightning_lowmem.meta import check_meta_at_first_forward, has_meta, init_empty
+from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.quantize import scheme_of
@@ -217,16 +218,7 @@ class LowMemStrategy(SingleDeviceStrategy):
             optimizers = [*self._optimizers, *(v for v in state.values() if isinstance(v, Optimizer))]
             if key is not None:
                 self._stream(ckpt, state[key], strict=strict, optimizers=optimizers)
-        for name, obj in state.copy().items():
-            if name == key or name not in rest:
-                continue
-            if isinstance(obj, nn.Module):
-                obj.load_state_dict(rest.pop(name), strict=strict, assign=has_meta(obj))
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(rest.pop(name))
-            else:
-                state[name] = rest.pop(name)
-        return rest
+        return restore_entries(state, rest, key, strict)
 
     def _stream(self, path: str | Path | Checkpoint, module: nn.Module, strict: bool,
                 optimizers: list[Optimizer]) -> None:
