@@ -79,8 +79,17 @@ def touch(model: torch.nn.Module) -> None:
     """Read one byte of every page of every weight, as a first forward would (a memory-mapped load
     otherwise defers its reads, and their cost, to first use)."""
     for t in model.state_dict().values():
-        if t.numel() and not t.is_meta:
-            t.detach().reshape(-1).view(torch.uint8)[::4096].sum()
+        for plain in _plain_tensors(t.detach()):
+            if plain.numel() and not plain.is_meta:
+                plain.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data: itself, or a tensor subclass's inner tensors (torchao's)."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [p for name in names for p in _plain_tensors(getattr(t, name))]
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -14,12 +14,14 @@ with the ``quantization_config`` transformers reads). Then, each in a fresh proc
 
 Columns (each states its statistic over ``--repeat`` rounds):
 
-* ``peak/bf16``: peak RSS (``VmHWM``) of the process minus that of a bare ``import torch`` process, over the
+* ``peak/bf16``: peak RSS (``VmHWM``, file-backed pages included) after the load and the touch, minus that of a
+  bare ``import torch`` process, over the
   bf16 model bytes (imports included);
 * ``load peak/bf16``: peak RSS minus the RSS after the imports (the scheme's library imported first, alike
   for every row), over the bf16 model bytes: what building and loading cost;
 * ``final``: bytes of the loaded model (quantized tensors by their inner storage);
-* ``seconds``: build + load wall time, imports excluded;
+* ``seconds``: build + load + touching every page of every weight (transformers maps the file and reads a page at
+  first use) wall time, imports excluded;
 * ``logits``: whether the logits (2 x 32 fixed tokens) are equal, bit for bit, to the row named.
 
 Usage::
@@ -48,6 +50,7 @@ from common import (
     peak_rss,
     run_fresh,
     spread,
+    touch,
 )
 
 MODEL = "pythia-1b"
@@ -119,6 +122,7 @@ def worker(method: str, scheme: str, workdir: Path) -> dict:
     before = current_rss()
     t0 = time.perf_counter()
     model = _build(method, scheme, workdir)
+    touch(model)  # a mapped load defers its reads to first use: every method pays them here
     seconds = time.perf_counter() - t0
     peak = peak_rss()
     from lightning_lowmem.quantize import module_nbytes
