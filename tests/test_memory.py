@@ -9,6 +9,7 @@ layer, and the heap they free goes back to the OS (fresh processes).
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 import time
@@ -33,9 +34,11 @@ def test_a_monitor_keeps_no_timeline_unless_asked():
 def test_the_timeline_follows_a_100_mib_allocation():
     with MemoryMonitor(timeline=True, interval=0.002) as mon:
         time.sleep(0.03)
-        x = torch.ones(100 * MIB // 4)  # 100 MiB, every page written
+        block = mmap.mmap(-1, 100 * MIB, flags=mmap.MAP_PRIVATE)  # anonymous, outside malloc: close() gives it back
+        for page in range(0, 100 * MIB, 4096):
+            block[page] = 1  # every page written
         time.sleep(0.06)
-        del x  # a block this large is an mmap of its own: freeing it gives it back
+        block.close()
         time.sleep(0.06)
     timeline = mon.usage.timeline
     seconds = [p.seconds for p in timeline.points]
