@@ -158,7 +158,10 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
 
 
 def _warn_nothing_chosen(module: nn.Module, scheme: QuantScheme, selection: Selection) -> None:
-    """A ``quantize=`` that quantizes nothing says so, and what the module is made of."""
+    """A ``quantize=`` that quantizes nothing says so, and what the module is made of; not when the module
+    already holds layers quantized by the scheme's library (a load of adapters into a quantized model)."""
+    if any(type(scheme).holding(m) is not None for m in module.modules()):
+        return
     kinds = Counter(type(m).__name__ for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
     seen = format_names((f"{kind} x {n}" for kind, n in kinds.most_common()), quote=False)
     reasons = format_names((f"{n} ({why})" for n, why in selection.left_out.items()), limit=3, quote=False)

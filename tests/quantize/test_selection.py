@@ -123,3 +123,22 @@ def test_a_load_that_quantizes_nothing_says_what_it_saw(tmp_path):
                                          r" and transformers' Conv1D; the layers with weights here are Conv2d x 1"):
         report = load_checkpoint(model, tmp_path / "conv.safetensors", quantize="bnb.int8")
     assert report.quantized == {}
+
+
+def test_a_load_into_an_already_quantized_model_does_not_warn_that_nothing_is_quantized(tmp_path):
+    """Adapters (here a bias) loaded with the same quantize= into a model the first load quantized."""
+    import warnings
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    save_file(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)).state_dict(), tmp_path / "model.safetensors")
+    with init_empty():
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    load_checkpoint(model, tmp_path / "model.safetensors", quantize="bnb.nf4", skip_quantize=[], progress=False)
+    save_file({"1.bias": torch.ones(8)}, tmp_path / "bias.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_checkpoint(model, tmp_path / "bias.safetensors", quantize="bnb.nf4", skip_quantize=[], strict=False,
+                        progress=False)
+    assert torch.equal(model[1].bias, torch.ones(8))
