@@ -117,21 +117,16 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    sharded = bool(sharded_parameters(module))
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
-        snapshot = Snapshot(module)
-        try:
-            with agreement(sharded):  # every rank raises here if any rank's plan failed
-                ckpt = stack.enter_context(opened(checkpoint))
-                prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
-                                        check_keys=on_plan is None, stored=stored_in(ckpt, options))
-                if on_plan is not None:
-                    on_plan(prepared)
-                architecture = _check_before_reading(prepared)
-            report = _load(prepared, ckpt, architecture)
-        except BaseException:
-            snapshot.restore()
-            raise
+        def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
+            ckpt = stack.enter_context(opened(checkpoint))
+            prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
+                                    check_keys=on_plan is None, stored=stored_in(ckpt, options))
+            if on_plan is not None:
+                on_plan(prepared)
+            return prepared, ckpt
+
+        report = _load_whole_or_not_at_all(module, open_and_prepare)
     return _finish_report(report, monitor)
 
 
@@ -150,13 +145,22 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
             report = load_prepared(prepared, ckpt, own)
         return _finish_report(report, own)
-    with agreement(bool(sharded_parameters(prepared.module))):
-        architecture = _check_before_reading(prepared)
-    snapshot = Snapshot(prepared.module)
+    return _load_whole_or_not_at_all(prepared.module, lambda: (prepared, ckpt))
+
+
+def _load_whole_or_not_at_all(module: nn.Module,
+                              prepare: Callable[[], tuple[PreparedLoad, Checkpoint]]) -> LoadReport:
+    """``prepare`` and check the load (with DTensor parameters, every rank raises if any rank failed, before any
+    read), then stream it; on any error the module is put back as it was (:class:`~lightning_lowmem.meta.Snapshot`):
+    never a half-loaded model that looks loaded."""
+    snapshot = Snapshot(module)
     try:
+        with agreement(bool(sharded_parameters(module))):
+            prepared, ckpt = prepare()
+            architecture = _check_before_reading(prepared)
         return _load(prepared, ckpt, architecture)
     except BaseException:
-        snapshot.restore()  # never hand back a half-loaded model that looks loaded
+        snapshot.restore()
         raise
 
 
