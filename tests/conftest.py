@@ -936,6 +936,11 @@ args = json.loads(sys.argv[1])
 def emit(**values):
     print("RESULT " + json.dumps(values), flush=True)
 
+@__import__("atexit").register
+def _close_group():  # gloo's threads abort the process ("terminate called ...") when it exits with the group open
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
 def config(**overrides):
     from litgpt import Config
     return Config(**{**args["config"], **overrides})
