@@ -44,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Estimate and print (a table, or JSON with ``--json``)."""
     from lightning_lowmem.cli.options import config_argument
-    from lightning_lowmem.litgpt.estimate import estimate_memory
+    from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
     est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=precision_dtype(args.precision),
                           batch_size=args.batch_size, max_seq_length=args.max_seq_length,

@@ -10,14 +10,14 @@ load a model sharded across ranks (FSDP2), each rank its own part; ``save`` is
 strategy and callback, the litgpt helpers) goes through here.
 """
 
-from lightning_lowmem.engine.estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared
+from lightning_lowmem.engine.memory_estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared
 from lightning_lowmem.engine.load import load_checkpoint, load_prepared, run_load
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load, stored_in
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.save import ModuleState, module_state, save_checkpoint
-from lightning_lowmem.engine.sharding import quantize_for_sharding
-from lightning_lowmem.engine.shards import allocate_shards
+from lightning_lowmem.engine.shard_checks import quantize_for_sharding
+from lightning_lowmem.engine.shard_fill import allocate_shards
 
 __all__ = [
     "CPU_RUNTIME",

@@ -9,7 +9,7 @@ A module is loaded whole or left as it was: any error after the plan puts it bac
 
 A module whose parameters are DTensors (sharded by ``fully_shard``) is loaded the same way on each
 rank: the plan is the same on every rank, the ranks agree that it holds before any of them reads
-(``ranks.py``), then each rank allocates and reads only its own part of each tensor (``shards.py``).
+(``ranks.py``), then each rank allocates and reads only its own part of each tensor (``shard_fill.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load, stored_in
 from lightning_lowmem.engine.ranks import agreement, rank
 from lightning_lowmem.engine.report import LoadReport
-from lightning_lowmem.engine.shards import allocate_shards, shard_nbytes, sharded_parameters
-from lightning_lowmem.engine.sharding import check_sharded
+from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
+from lightning_lowmem.engine.shard_checks import check_sharded
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.errors import MetaTensorError, format_names

@@ -9,7 +9,7 @@
 Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
 and the result). On an error the caller puts the module back as it was (``engine.load``).
 
-A target that is a DTensor shard (``Target.shard``, its local part allocated by ``shards.py``) is
+A target that is a DTensor shard (``Target.shard``, its local part allocated by ``shard_fill.py``) is
 filled in place: a block of rows read as stored goes straight into the local part (one ``read_rows``);
 any other shard (a cast, a quantized weight, a transform, another placement) reads the whole tensor
 as the one in flight, then copies this rank's part (quantized: ``Quantizer.load_shard``).
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lightning_lowmem.engine.shards import local_tensor
+from lightning_lowmem.engine.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import assign, owner_of
 from lightning_lowmem.plan import Combine, LoadPlan, Target

@@ -42,7 +42,7 @@ from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_param
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import shard_model
 from lightning_lowmem.plan import Combine, KeyMap
-from lightning_lowmem.plan.shards import is_dtensor
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path, model) or fabric.load), or, for a "
                 "fresh run without a checkpoint, build it with fabric.init_module(empty_init=False).")

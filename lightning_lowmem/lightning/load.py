@@ -31,7 +31,7 @@ from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import LoadPlan
-from lightning_lowmem.plan.shards import is_dtensor
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import litgpt itself, which is imported where it is used.
 """
 
 from lightning_lowmem.litgpt.architecture import LITGPT, LitgptArchitecture
-from lightning_lowmem.litgpt.estimate import estimate_memory
+from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 from lightning_lowmem.litgpt.generation import GenerateResult, GenerationMemory, generate
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, setup_kv_cache
 from lightning_lowmem.litgpt.patch import patch_litgpt, unpatch_litgpt

@@ -26,7 +26,7 @@ from lightning_lowmem.placement.offload import (
     sequential_offload,
 )
 from lightning_lowmem.placement.place import PlacementPlan, place_layers
-from lightning_lowmem.placement.sharding import shard_model, shardable_blocks
+from lightning_lowmem.placement.fsdp_layout import shard_model, shardable_blocks
 
 __all__ = [
     "GENERIC",

@@ -32,7 +32,7 @@ from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
 from lightning_lowmem.plan.combine import Combine, combined_record
 from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
-from lightning_lowmem.plan.shards import Shard, shard_of
+from lightning_lowmem.plan.dtensor_part import Shard, shard_of
 
 log = logging.getLogger(__name__)
 

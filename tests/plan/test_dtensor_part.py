@@ -8,7 +8,7 @@ import torch
 
 from lightning_lowmem.formats.records import TensorRecord
 from lightning_lowmem.plan import Target
-from lightning_lowmem.plan.shards import Shard, is_dtensor
+from lightning_lowmem.plan.dtensor_part import Shard, is_dtensor
 
 
 def test_a_block_of_whole_rows_is_read_on_its_own():

@@ -18,7 +18,7 @@ from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Target, make_plan, module_records
-from lightning_lowmem.plan.shards import is_dtensor
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 from lightning_lowmem.quantize import Selection, check_shardable, prepare_quantization, select_linears
 
 

@@ -3,7 +3,7 @@
 The estimate is the engine's prepared load, read without reading a weight: the same
 plan, the same Linears quantized, the same placement as
 :func:`~lightning_lowmem.load_checkpoint` would make (see
-:mod:`lightning_lowmem.engine.estimate` for what each line counts). The model is
+:mod:`lightning_lowmem.engine.memory_estimate` for what each line counts). The model is
 litgpt's ``GPT`` built on meta from the config, so the caches come from litgpt's
 own builders.
 """

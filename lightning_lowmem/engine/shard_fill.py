@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.meta import empty_like
-from lightning_lowmem.plan.shards import is_dtensor
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 from lightning_lowmem.quantize import tensor_nbytes
 
 
