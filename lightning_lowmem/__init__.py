@@ -32,6 +32,7 @@ from lightning_lowmem.engine import (
     save_checkpoint,
 )
 from lightning_lowmem.errors import (
+    AmbiguousCheckpointError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -92,6 +93,7 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AmbiguousCheckpointError",
     "BF16FallbackWarning",
     "CacheBytes",
     "Checkpoint",

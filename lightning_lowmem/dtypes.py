@@ -2,6 +2,7 @@
 
 * :data:`PRECISION_DTYPES` is the one table between Lightning/litgpt precision flags
   (``"bf16-true"``, ...) and dtypes; :func:`precision_dtype` and :func:`precision_flag` read it.
+* :func:`load_dtype` is the one precedence between an explicit ``dtype``, a precision flag and a face's default.
 * :func:`model_dtype` is the one answer to "what dtype does this model compute in".
 * bf16 -> fp16: loading in bf16 for a device without it (pre-Ampere GPUs such as the V100,
   some mobile GPUs) would either fail in the first kernel or run it emulated; the load
@@ -60,6 +61,28 @@ def precision_flag(dtype: torch.dtype) -> str:
     if dtype not in flags:
         raise ValueError(f"{dtype} has no Lightning precision flag; use one of {', '.join(map(str, flags))}.")
     return flags[dtype]
+
+
+def load_dtype(dtype: torch.dtype | None = None, precision: str | torch.dtype | None = None,
+               default: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype a load casts floating tensors to, the one precedence every face uses: ``dtype`` (the load option),
+    else ``precision`` (a precision flag such as ``"bf16-true"``, or the dtype a precision plugin converts to),
+    else ``default`` (a face's own: bf16 for generation; None keeps each tensor's dtype).
+
+    Raises:
+        ValueError: ``dtype`` and ``precision`` are both given and disagree.
+
+    Example::
+
+        >>> load_dtype(None, "16-true", torch.bfloat16), load_dtype(None, None, torch.bfloat16)
+        (torch.float16, torch.bfloat16)
+        >>> load_dtype(torch.float32, "32-true")
+        torch.float32
+    """
+    from_precision = precision_dtype(precision) if isinstance(precision, str) else precision
+    if dtype is not None and from_precision is not None and dtype != from_precision:
+        raise ValueError(f"dtype={dtype} and precision={precision!r} ({from_precision}) disagree: pass one of them.")
+    return dtype or from_precision or default
 
 
 def model_dtype(module: nn.Module, dtype: torch.dtype | None = None) -> torch.dtype:

@@ -26,6 +26,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path, or a file it refers to, does not exist."""
 
 
+class AmbiguousCheckpointError(CheckpointError):
+    """A path stands for two different sets of weights (a directory holding ``lit_model.pth`` and a
+    ``model.safetensors`` that differ); nothing is read until one is picked."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A pickle-based checkpoint asks to import or run code; it is never executed."""
 

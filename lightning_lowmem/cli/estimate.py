@@ -6,7 +6,7 @@ import argparse
 import json
 
 from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
-from lightning_lowmem.cli.options import add_config, add_subcommand, max_memory, positive_int
+from lightning_lowmem.cli.options import add_config, add_subcommand, add_weights, max_memory, positive_int
 from lightning_lowmem.dtypes import precision_dtype
 from lightning_lowmem.quantize import SCHEMES
 
@@ -37,6 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max_memory", type=max_memory, default=None, metavar="DEVICE=SIZE,...",
                         help="device budgets, e.g. cuda:0=6GiB,cpu=20GiB: adds the placement of each layer")
     add_config(parser)
+    add_weights(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object of every number, in bytes")
     parser.set_defaults(run=run, parser=parser)
 
@@ -44,11 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Estimate and print (a table, or JSON with ``--json``)."""
     from lightning_lowmem.cli.options import config_argument
+    from lightning_lowmem.engine import LoadOptions
     from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
     est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=precision_dtype(args.precision),
                           batch_size=args.batch_size, max_seq_length=args.max_seq_length,
                           prompt_length=args.prompt_length, max_memory=args.max_memory,
-                          config=config_argument(args.config))
+                          config=config_argument(args.config), options=LoadOptions(prefer=args.weights))
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return EXIT_OK

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import generate
 
-    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config))
+    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights)
     prompt = args.prompt
     if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
         from lightning_lowmem.cli.prompts import prompt_style_for

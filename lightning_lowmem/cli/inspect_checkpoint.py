@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_CHECKPOINT, EXIT_CODES, EXIT_OK
-from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand
-from lightning_lowmem.errors import CheckpointFormatError, LowMemError
-from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand, config_argument
+from lightning_lowmem.engine import Source
+from lightning_lowmem.errors import LowMemError
 from lightning_lowmem.memory import format_bytes
 
 EPILOG = """example:
@@ -34,8 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "inspect", summary="what a checkpoint holds, and whether it fits its litgpt config, without reading a weight",
         description="Print a checkpoint's format, files, tensors, dtypes and bytes, and whether it fits its litgpt "
                     "config: the missing and unexpected keys and the shape mismatches a load would raise. Reads "
-                    "headers only. In a directory, lit_model.pth is inspected when there is one (what generate "
-                    "and chat load). Exits 1 when the checkpoint cannot be read or does not fit.",
+                    "headers only. In a directory, the weights inspected are those every other command reads "
+                    "(which, and why, is printed). Exits 1 when the checkpoint cannot be read or does not fit.",
         epilog=EPILOG)
     add_checkpoint(parser, "a checkpoint file or directory")
     add_config(parser)
@@ -49,6 +49,7 @@ class Fit:
 
     name: str
     source: str
+    conversion: str = ""
     matches: bool = False
     tensors: int = 0
     error: str | None = None
@@ -66,21 +67,26 @@ class Summary:
     tensors: int
     bytes: int
     dtypes: dict[str, dict[str, int]]
+    chosen: str = ""
+    stored: str = ""
     config: Fit | None = None
     config_note: str = ""
 
 
 def run(args: argparse.Namespace) -> int:
     """Inspect, print; exit 1 when the checkpoint does not fit its config."""
-    from lightning_lowmem.litgpt.checkpoint_dir import litgpt_weights
+    from lightning_lowmem.engine import LoadOptions, resolved
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 
     path = Path(args.checkpoint).expanduser()
-    with Checkpoint.open(litgpt_weights(path)) as ckpt:
-        summary = summarize(path, ckpt)
-        config, source, note = _config(path, args.config, ckpt)
-        summary.config_note = note
-        if config is not None:
-            summary.config = fit(ckpt, config, source)
+    found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False)
+    model = build_meta_gpt(found.config) if found.config is not None else None
+    with resolved(found.weights, model, LoadOptions()) as source:
+        summary = summarize(path, source)
+        if model is None:
+            summary.config_note = f"{found.config_source} (pass --config NAME to check the fit)"
+        else:
+            summary.config = fit(model, source, found.config.name, found.config_source)
     print(json.dumps(asdict(summary), indent=2) if args.json else render(summary))
     if summary.config is not None and not summary.config.matches:
         print(f"error: {summary.config.error_type}: {summary.config.error}", file=sys.stderr)
@@ -88,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def summarize(path: Path, ckpt: Checkpoint) -> Summary:
-    """Format, files, tensors, dtypes and bytes of an opened checkpoint."""
+def summarize(path: Path, source: Source) -> Summary:
+    """Format, files, tensors, dtypes and bytes of a resolved checkpoint; which weights were chosen and why."""
+    ckpt = source.checkpoint
     files = [{"path": str(f.path), "format": _format_of(f), "bytes": f.path.stat().st_size} for f in ckpt.files]
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
@@ -99,31 +106,21 @@ def summarize(path: Path, ckpt: Checkpoint) -> Summary:
         nbytes[dtype] += record.nbytes
     dtypes = {d: {"tensors": counts[d], "bytes": nbytes[d]} for d in sorted(counts, key=lambda d: -nbytes[d])}
     kinds = sorted({f["format"] for f in files})
+    stored = f"{len(source.stored)} weights stored quantized ({', '.join(source.stored.schemes)})" \
+        if source.stored else ""
     return Summary(path=str(path), format=", ".join(kinds) + (f" ({len(files)} shards)" if len(files) > 1 else ""),
-                   entry=ckpt.entry, files=files, tensors=len(ckpt.records), bytes=sum(nbytes.values()), dtypes=dtypes)
+                   entry=ckpt.entry, files=files, tensors=len(ckpt.records), bytes=sum(nbytes.values()), dtypes=dtypes,
+                   chosen=source.why, stored=stored)
 
 
-def fit(ckpt: Checkpoint, config: Any, source: str) -> Fit:
-    """The load's plan of ``ckpt`` into litgpt's ``GPT(config)`` built on meta; its error, if any, as a ``Fit``."""
+def fit(model: Any, source: Source, name: str, config_source: str) -> Fit:
+    """The load's plan of ``source`` into the meta-built ``model``; its error, if any, as a ``Fit``."""
     from lightning_lowmem.engine import LoadOptions, prepare_load
-    from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
-    from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 
-    result = Fit(name=config.name, source=source)
+    conversion = source.conversion.name if source.conversion is not None else "none: litgpt's own names"
+    result = Fit(name=name, source=config_source, conversion=conversion)
     try:
-        model, options = build_meta_gpt(config), LoadOptions()
-        conversion = None
-        if ckpt.gguf is not None:
-            from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, read_gguf_source
-
-            conversion = gguf_to_litgpt(config, ckpt, read_gguf_source(ckpt, tokenizer=False).hf_config)
-        elif looks_hf(ckpt.records):
-            conversion = hf_to_litgpt(config, ckpt.records)
-        if conversion is not None:
-            conversion.tie(model)  # as the load does
-            options = LoadOptions(key_map=conversion.key_map, combine=conversion.combine,
-                                  transform=getattr(conversion, "transform", None))
-        prepared = prepare_load(model, ckpt.records, options, files=ckpt.description)
+        prepared = prepare_load(model, source, LoadOptions())
     except LowMemError as e:
         result.error, result.error_type = str(e), type(e).__name__
         return result
@@ -136,41 +133,22 @@ def render(summary: Summary) -> str:
     files = "; ".join(f"{Path(f['path']).name} ({format_bytes(f['bytes'])})" for f in summary.files)
     dtypes = "; ".join(f"{d}: {v['tensors']} tensors, {format_bytes(v['bytes'])}" for d, v in summary.dtypes.items())
     entry = f", weights under {summary.entry!r}" if summary.entry else ""
-    lines = [f"checkpoint  {summary.path}", f"format      {summary.format}{entry}", f"files       {files}",
-             f"tensors     {summary.tensors}", f"dtypes      {dtypes}", f"total       {format_bytes(summary.bytes)}"]
+    lines = [f"checkpoint  {summary.path}", f"weights     {summary.chosen}", f"format      {summary.format}{entry}",
+             f"files       {files}", f"tensors     {summary.tensors}", f"dtypes      {dtypes}",
+             f"total       {format_bytes(summary.bytes)}"]
+    if summary.stored:
+        lines.append(f"quantized   {summary.stored}")
     found = summary.config
     if found is None:
         lines.append(f"config      none found: {summary.config_note}")
     elif found.matches:
         lines.append(f"config      litgpt {found.name!r} (from {found.source}): matches, {found.tensors} tensors "
                      "planned, none missing or unexpected")
+        lines.append(f"names       {found.conversion}")
     else:
         lines.append(f"config      litgpt {found.name!r} (from {found.source}): does not match ({found.error_type}, "
                      "on stderr)")
     return "\n".join(lines)
-
-
-def _config(path: Path, name_or_yaml: str | None, ckpt: Checkpoint) -> tuple[Any | None, str, str]:
-    """``(config, where it came from, why there is none)``: ``--config``, else a GGUF file's metadata, else what
-    the directory says."""
-    from lightning_lowmem.cli.options import config_argument
-    from lightning_lowmem.litgpt.checkpoint_dir import find_config
-
-    if name_or_yaml is not None:
-        return config_argument(name_or_yaml), f"--config {name_or_yaml}", ""
-    if ckpt.gguf is not None:
-        from lightning_lowmem.litgpt.gguf import litgpt_config, read_gguf_source
-
-        found = read_gguf_source(ckpt, tokenizer=False)
-        try:
-            return litgpt_config(found.hf_config, found.names), "the GGUF file's metadata", ""
-        except ValueError as e:
-            return None, "", f"{e} (pass --config NAME to check the fit)"
-    try:
-        config, source = find_config(path if path.is_dir() else path.parent)
-    except (ValueError, CheckpointFormatError) as e:
-        return None, "", f"{e} (pass --config NAME to check the fit)"
-    return config, source, ""
 
 
 def _format_of(file: Any) -> str:

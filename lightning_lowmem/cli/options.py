@@ -25,6 +25,14 @@ def add_checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help=what)
     parser.add_argument("--checkpoint_dir", dest="checkpoint_flag", metavar="PATH",
                         help="the same, as a flag (litgpt's spelling)")
+    add_weights(parser)
+
+
+def add_weights(parser: argparse.ArgumentParser) -> None:
+    """``--weights``: which weight set of a directory holding several different ones."""
+    parser.add_argument("--weights", default=None, metavar="NAME",
+                        help="which weights to read when the directory holds several different sets: a file name "
+                             "there (lit_model.pth, model.safetensors) or a format (safetensors, torch, gguf)")
 
 
 def resolve_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -62,13 +62,13 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.generation import load_for_generation
     from lightning_lowmem.memory import format_bytes, parse_bytes
 
-    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config))
+    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights)
     out = args.out.expanduser()
     if out.resolve() == found.directory.resolve():
         args.parser.error(f"--out {str(args.out)!r} is the checkpoint's own directory: write the copy elsewhere")
     parse_bytes(args.max_shard_size)  # a bad size fails before the load, not after it
     skip = tuple(args.skip_quantize.split(",")) if args.skip_quantize else None
-    model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip), quantize=args.quantize,
+    model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip, prefer=args.weights), quantize=args.quantize,
                                            precision=args.precision, device=default_device(args.device))
     print(report, file=sys.stderr)
     files = save_checkpoint(model, out, max_shard_size=args.max_shard_size)

@@ -1,7 +1,9 @@
 """The engine: one options object, one plan per load, the streaming loop and its report.
 
-``options`` validates what a caller asks for once; ``prepare`` decides the load from
-headers (plan, quantization, placement) and gives the placement plan; ``stream`` reads
+``options`` validates what a caller asks for once; ``resolve`` decides which weights a path
+stands for and how their names become the module's (``weight_sets`` compares a directory's
+sets); ``prepare`` decides the load from headers (plan, quantization, placement) and gives
+the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
 decision to say what a load and a generation will need; ``shards``, ``sharding`` and ``ranks``
@@ -13,7 +15,8 @@ strategy and callback, the litgpt helpers) goes through here.
 from lightning_lowmem.engine.memory_estimate import CPU_RUNTIME, LOAD_RUNTIME, MemoryEstimate, estimate_prepared
 from lightning_lowmem.engine.load import load_checkpoint, load_prepared, run_load
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.prepare import PreparedLoad, opened, placement_plan, prepare_load, stored_in
+from lightning_lowmem.engine.prepare import PreparedLoad, placement_plan, prepare_load
+from lightning_lowmem.engine.resolve import Source, opened, records_source, resolved
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.save import ModuleState, module_state, save_checkpoint
 from lightning_lowmem.engine.shard_checks import quantize_for_sharding
@@ -38,5 +41,7 @@ __all__ = [
     "quantize_for_sharding",
     "run_load",
     "save_checkpoint",
-    "stored_in",
+    "Source",
+    "records_source",
+    "resolved",
 ]

@@ -2,7 +2,8 @@
 
 ::
 
-    Checkpoint.open (headers) -> prepare_load (plan, quantization, placement) -> nothing left on meta?
+    resolved (which weights, their headers, the conversion) -> prepare_load (plan, quantization, placement)
+        -> nothing left on meta?
         -> stream (one tensor at a time) -> buffers and checks -> LoadReport
 
 A module is loaded whole or left as it was: any error after the plan puts it back.
@@ -25,7 +26,8 @@ from torch import nn
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.prepare import PreparedLoad, opened, prepare_load, stored_in
+from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
+from lightning_lowmem.engine.resolve import resolved
 from lightning_lowmem.engine.ranks import agreement, rank
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
@@ -119,33 +121,31 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
-            ckpt = stack.enter_context(opened(checkpoint))
-            prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
-                                    check_keys=on_plan is None, stored=stored_in(ckpt, options))
+            source = stack.enter_context(resolved(checkpoint, module, options))
+            prepared = prepare_load(module, source, options, check_keys=on_plan is None)
             if on_plan is not None:
                 on_plan(prepared)
-            return prepared, ckpt
+            return prepared, source.checkpoint
 
         report = _load_whole_or_not_at_all(module, open_and_prepare)
     return _finish_report(report, monitor)
 
 
-def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonitor | None = None) -> LoadReport:
-    """Stream a load :func:`prepare_load` decided from ``ckpt``'s headers, and finish the module.
+def load_prepared(prepared: PreparedLoad, monitor: MemoryMonitor | None = None) -> LoadReport:
+    """Stream a load :func:`prepare_load` decided from a resolved checkpoint's headers, and finish the module.
 
     Before anything is read, a tensor of the module on meta that nothing would fill is a
     :class:`MetaTensorError`; after that, any error puts the module back as it was.
 
     Args:
-        prepared: the decided load.
-        ckpt: the open checkpoint the plan was made from.
+        prepared: the decided load (its source's checkpoint still open).
         monitor: a running monitor whose block covers this load; without one, the load gets its own.
     """
     if monitor is None:
         with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
-            report = load_prepared(prepared, ckpt, own)
+            report = load_prepared(prepared, own)
         return _finish_report(report, own)
-    return _load_whole_or_not_at_all(prepared.module, lambda: (prepared, ckpt))
+    return _load_whole_or_not_at_all(prepared.module, lambda: (prepared, prepared.source.checkpoint))
 
 
 def _load_whole_or_not_at_all(module: nn.Module,
@@ -178,7 +178,8 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) 
     apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
     quantizer = prepare_quantization(module, prepared.selection, plan, device) if prepared.selection else None
     report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
-                        key_note=plan.prefix_note, placement=prepared.placement, rank=rank())
+                        key_note=plan.prefix_note, placement=prepared.placement, rank=rank(),
+                        source=prepared.source.why, conversion=_conversion_name(prepared))
     allocation = allocate_shards(module, prepared.options.device)  # this rank's parts of meta DTensors, unfilled
     try:
         _fill(prepared, ckpt, architecture, quantizer, report)
@@ -194,7 +195,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.tensors, report.bytes_read, report.mapped = stream(
-        module, ckpt, plan, quantizer, transform=options.transform, combine=prepared.combine,
+        module, ckpt, plan, quantizer, transform=prepared.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
@@ -208,6 +209,11 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
         report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
         report.prequantized, report.requantized = quantizer.prequantized, quantizer.requantized
         report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after
+
+
+def _conversion_name(prepared: PreparedLoad) -> str:
+    conversion = prepared.source.conversion
+    return conversion.name if conversion is not None else ""
 
 
 def check_complete(module: nn.Module, plan: LoadPlan, filled: set[str]) -> None:

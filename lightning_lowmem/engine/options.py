@@ -54,6 +54,9 @@ class LoadOptions:
             load reads nothing up front, pages are file-backed and read when first touched. The file must
             then not change while the model lives (a file cut short under a mapping crashes the process),
             and mapped torch-file tensors are not CRC-checked. Any other load copies, whatever this says.
+        prefer: which weights to read from a directory holding several different weight sets: one of their
+            file names (``"lit_model.pth"``, ``"model.safetensors.index.json"``) or a format (``"safetensors"``,
+            ``"torch"``, ``"gguf"``). Sets that hold the same tensors need no choice (see ``docs/loading.md``).
 
     Example::
 
@@ -77,6 +80,7 @@ class LoadOptions:
     batch_size: int = 1
     progress: bool | None = None
     mmap: bool = False
+    prefer: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -104,6 +108,7 @@ class LoadOptions:
             ("batch_size", self.batch_size, _is_int(self.batch_size), "an int >= 1"),
             ("progress", self.progress, self.progress is None or isinstance(self.progress, bool), "a bool or None"),
             ("mmap", self.mmap, isinstance(self.mmap, bool), "True or False"),
+            ("prefer", self.prefer, self.prefer is None or isinstance(self.prefer, str), "a file name, a format or None"),
         ]
         for name, value, ok, expected in checks:
             if not ok:

@@ -2,9 +2,9 @@
 
 ::
 
-    records (headers) -> [find_stored: weights the file holds quantized] -> make_plan
-                      -> select_linears, or mark_stored for a pre-quantized file (marks quantized targets)
-                      -> place_layers (with max_memory: each target's device)
+    a resolved source (headers, weights stored quantized, the conversion: ``resolve.py``) -> make_plan
+        -> select_linears, or mark_stored for a pre-quantized file (marks quantized targets)
+        -> place_layers (with max_memory: each target's device)
 
 The loader streams what :func:`prepare_load` decided; :func:`placement_plan` and
 the memory estimate read the same decision without reading a weight.
@@ -13,7 +13,7 @@ the memory estimate read the same decision without reading a weight.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,11 +22,13 @@ from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan, module_records
+from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.quantize import Selection, select_linears
-from lightning_lowmem.quantize.stored import StoredWeights, find_stored, mark_stored
+from lightning_lowmem.quantize.stored import mark_stored
 
 
 @dataclass
@@ -42,38 +44,40 @@ class PreparedLoad:
             without weights stored quantized).
         placement: the placement plan (None without ``max_memory``).
         device: where buffers and caches go: the execution device, else ``options.device``, else CPU.
-        combine: ``options.combine``, reading the weights stored quantized it names through their parts.
+        source: the resolved checkpoint the plan was made from (its conversion, its stored weights).
     """
 
     module: nn.Module
     options: LoadOptions
     plan: LoadPlan
+    source: Source
     selection: Selection | None = None
     placement: PlacementPlan | None = None
     device: torch.device = torch.device("cpu")
-    combine: Combine | None = None
+
+    @property
+    def combine(self) -> Combine | None:
+        """Tensors built from several keys (weights stored quantized read through their parts)."""
+        return self.source.combine
+
+    @property
+    def transform(self) -> Transform | None:
+        """What each tensor goes through as read (the conversion's)."""
+        return self.source.transform
 
 
-def stored_in(ckpt: Checkpoint, options: LoadOptions) -> StoredWeights:
-    """The weights ``ckpt`` holds already quantized, checked against ``options.quantize`` before anything is read
-    (see :func:`~lightning_lowmem.quantize.stored.find_stored`)."""
-    return find_stored(ckpt.records, ckpt.metadata, ckpt.read, requested=options.scheme, files=ckpt.description)
-
-
-def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options: LoadOptions, *,
-                 files: str = "the checkpoint", check_keys: bool = True, stored: StoredWeights | None = None,
+def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, check_keys: bool = True,
                  kv_cache_bytes: int | None = None, activation_bytes: int | None = None) -> PreparedLoad:
-    """Plan the load of ``records`` into ``module`` under ``options``; reads no weight.
+    """Plan the load of ``source`` into ``module`` under ``options``; reads no weight.
 
     Args:
         module: the module (usually built on meta).
-        records: the checkpoint's tensor records (``Checkpoint.records``).
+        source: the resolved checkpoint (:func:`~lightning_lowmem.engine.resolve.resolved`): its records, the
+            weights it holds already quantized (they load as stored, and ``options.quantize`` quantizes
+            nothing else) and the conversion of its names (its ties are made on ``module`` first).
         options: the load options.
-        files: the checkpoint's files, for messages.
         check_keys: apply ``options.strict`` to missing and unexpected keys now; False leaves that to
             the caller (``plan.check_keys``), which may allow some missing tensors (added adapters).
-        stored: the weights the checkpoint holds already quantized (:func:`stored_in`): they load as stored,
-            and ``options.quantize`` quantizes nothing else.
         kv_cache_bytes, activation_bytes: with ``max_memory``, what the execution device reserves for caches
             and activations instead of the model architecture's estimates.
 
@@ -81,12 +85,14 @@ def prepare_load(module: nn.Module, records: Mapping[str, TensorRecord], options
         CheckpointMismatchError: shapes differ, or (strict) keys are missing or unexpected.
         MemoryBudgetError: ``max_memory`` cannot hold the model.
     """
-    combine = stored.expand(options.combine) if stored else options.combine
-    plan = make_plan(module, records, key_map=options.key_map, dtype=options.dtype, device=options.device,
-                     combine=combine, stored=stored.weights if stored else None, files=files)
+    if source.conversion is not None:
+        source.conversion.apply_ties(module)
+    stored = source.stored
+    plan = make_plan(module, source.records, key_map=source.key_map, dtype=options.dtype, device=options.device,
+                     combine=source.combine, stored=stored.weights or None, files=source.description)
     if check_keys:
         plan.check_keys(strict=options.strict is not False)
-    prepared = PreparedLoad(module, options, plan, device=options.device or torch.device("cpu"), combine=combine)
+    prepared = PreparedLoad(module, options, plan, source, device=options.device or torch.device("cpu"))
     if stored:
         prepared.selection = mark_stored(module, plan, stored)
     elif options.scheme is not None:
@@ -110,16 +116,6 @@ def _place(module: nn.Module, plan: LoadPlan, options: LoadOptions, kv_cache_byt
     return place_layers(module, plan, options.budgets, cache_bytes=kv_cache_bytes, activation_bytes=activation_bytes,
                         context=context, batch_size=batch,
                         quantize=options.scheme.name if options.scheme is not None else None)
-
-
-@contextlib.contextmanager
-def opened(checkpoint: str | Path | Checkpoint) -> Iterator[Checkpoint]:
-    """``checkpoint`` opened for the block (closed after), or a :class:`Checkpoint` already open (left open)."""
-    if isinstance(checkpoint, Checkpoint):
-        yield checkpoint
-        return
-    with Checkpoint.open(checkpoint) as ckpt:
-        yield ckpt
 
 
 def placement_plan(
@@ -178,14 +174,12 @@ def placement_plan(
         raise ValueError("placement_plan needs max_memory (here or in options), "
                          "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")
     with contextlib.ExitStack() as stack:
-        stored = None
         if checkpoint is None:
-            records = module_records(module)
+            source = records_source(module_records(module), options, "the module's own tensors")
         elif isinstance(checkpoint, Mapping):
-            records = dict(checkpoint)
+            source = records_source(dict(checkpoint), options, "the records given")
         else:
-            ckpt = stack.enter_context(opened(checkpoint))
-            records, stored = ckpt.records, stored_in(ckpt, options)
-        prepared = prepare_load(module, records, options, stored=stored, kv_cache_bytes=kv_cache_bytes,
+            source = stack.enter_context(resolved(checkpoint, module, options))
+        prepared = prepare_load(module, source, options, kv_cache_bytes=kv_cache_bytes,
                                 activation_bytes=activation_bytes)
     return prepared.placement

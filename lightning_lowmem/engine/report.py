@@ -40,6 +40,8 @@ class LoadReport:
         rank: this process's rank in the default process group (0 without one).
         shard_bytes: bytes of this rank's parts of the module's DTensor parameters (0 for a module that
             holds no DTensor); ``bytes_read`` is then what this rank read.
+        source: which weights were read, and why those (a directory's choice among its weight sets).
+        conversion: how the checkpoint's names became the module's (``""``: taken as they are).
     """
 
     files: list[Path]
@@ -64,6 +66,8 @@ class LoadReport:
     offload: Offload | None = None
     rank: int = 0
     shard_bytes: int = 0
+    source: str = ""
+    conversion: str = ""
 
     def __str__(self) -> str:
         where = format_names((p.name for p in self.files), limit=3, quote=False)
@@ -91,6 +95,8 @@ class LoadReport:
             per_device = self.placement.weights_per_device()
             lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())
                          + f" ({len(self.placement.offloaded)} layers offloaded)")
+        if self.conversion:
+            lines.append(f"  names: {self.conversion}")
         if self.key_note:
             lines.append(f"  keys: {self.key_note}")
         if self.skipped:

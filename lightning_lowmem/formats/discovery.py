@@ -1,19 +1,29 @@
 """Which files a checkpoint path stands for: one file, a sharded set's index, or a directory.
 
 Formats are told apart by content (a zip signature, a safetensors header, the
-``GGUF`` magic, an index's ``weight_map``), not by file name alone. In a directory
-with several candidates, safetensors wins over pickle-based files and those over
-a ``.gguf`` file, and the choice is logged.
+``GGUF`` magic, an index's ``weight_map``), not by file name alone. A directory is
+listed as weight sets (:func:`weight_sets`): a single file, or an index with the
+shards it names. Which set a load reads when there are several is decided once, by
+the engine's resolver (``lightning_lowmem.engine.resolve``), which compares them.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
+import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
+from lightning_lowmem.errors import (
+    AmbiguousCheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    format_names,
+)
+from lightning_lowmem.formats.files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -21,24 +31,8 @@ ZIP_MAGIC = b"PK\x03\x04"
 GGUF_MAGIC = b"GGUF"
 HEAD_BYTES = 9
 """Bytes of a file's start that tell its format apart (:func:`kind_of`)."""
-
-# Directory entries in order of preference: safetensors before pickle-based files.
-_DIRECTORY_CANDIDATES = (
-    "model.safetensors.index.json",
-    "*.safetensors.index.json",
-    "model.safetensors",
-    "*.safetensors",
-    "lit_model.pth",
-    "pytorch_model.bin.index.json",
-    "*.bin.index.json",
-    "pytorch_model.bin",
-    "*.pth",
-    "*.pt",
-    "*.bin",
-    "*.ckpt",
-    "*.gguf",
-)
-
+MAX_INDEX_BYTES = 64 * 2**20
+"""An index larger than this is read only this far (and then fails to parse): no real index comes near it."""
 
 def kind_of(head: bytes, path: Path) -> str:
     """``'safetensors'``, ``'torch'``, ``'gguf'`` or ``'index'``, from the first :data:`HEAD_BYTES` bytes of ``path``.
@@ -75,41 +69,105 @@ def kind_of(head: bytes, path: Path) -> str:
     )
 
 
+WEIGHT_ORDER = (
+    "model.safetensors.index.json",
+    "*.safetensors.index.json",
+    "model.safetensors",
+    "*.safetensors",
+    "lit_model.pth",
+    "pytorch_model.bin.index.json",
+    "*.index.json",
+    "pytorch_model.bin",
+    "*.pth",
+    "*.pt",
+    "*.bin",
+    "*.ckpt",
+    "*.gguf",
+)
+"""The weight files a directory may hold, in the documented order (``docs/loading.md``, "Which file a path
+stands for"): a set of several weight sets that hold the same tensors is read from the first."""
+
+NOT_WEIGHTS = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scheduler.bin", "training_args.bin", "rng_state*.pth")
+"""Files of a training run's checkpoint directory (transformers' ``Trainer``) that hold no model weights."""
+
+_WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".gguf")
+
+
+@dataclass(frozen=True)
+class WeightSet:
+    """One set of weights in a directory: a single file, or an index and the shards it names.
+
+    Attributes:
+        path: what a load opens: the file, or the ``*.index.json``.
+        rank: its place in :data:`WEIGHT_ORDER` (lower comes first).
+        shards: the files an index names (empty for a single file).
+    """
+
+    path: Path
+    rank: int
+    shards: tuple[Path, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
 def locate(path: str | Path) -> Path:
-    """The one file ``path`` names: itself, or the checkpoint a directory holds. Opens nothing.
+    """The one file ``path`` names: itself, or the one weight set a directory holds. Reads no weights.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, or the directory holds no checkpoint.
-        CheckpointFormatError: the directory holds several candidates and no index naming them.
+        AmbiguousCheckpointError: the directory holds several weight sets (``load_checkpoint`` and every face
+            compare them and read one when they hold the same tensors; this function does not read them).
     """
     path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
-    return _pick_in_directory(path) if path.is_dir() else path
+    if not path.is_dir():
+        return path
+    sets = weight_sets(path)
+    if len(sets) > 1:
+        raise AmbiguousCheckpointError(
+            f"{path} holds {len(sets)} weight sets ({format_names(s.name for s in sets)}). Pass the file to load "
+            f"({path / sets[0].name}), or load through load_checkpoint, which reads one of them when they hold the "
+            "same tensors.")
+    return sets[0].path
 
 
-def _pick_in_directory(directory: Path) -> Path:
-    for pattern in _DIRECTORY_CANDIDATES:
-        found = sorted(p for p in directory.glob(pattern) if p.is_file())
-        if pattern.startswith("*") and not pattern.endswith(".index.json"):
-            # A plain glob must not pick up the shards of an index we skipped.
-            found = [p for p in found if ".index" not in p.name]
-        if len(found) == 1:
-            others = [p.name for p in directory.iterdir() if p.is_file() and p != found[0]
-                      and p.suffix in (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")]
-            if others:
-                log.info("Checkpoint directory %s: using %s (also present: %s)", directory, found[0].name,
-                         format_names(others))
-            return found[0]
-        if len(found) > 1:
-            raise CheckpointFormatError(
-                f"{directory} holds several candidate checkpoints matching {pattern!r} and no index naming "
-                f"them: {format_names(p.name for p in found)}. Pass the one file to load, or an index.json."
-            )
-    raise CheckpointNotFoundError(
-        f"{directory} holds no checkpoint (looked for {', '.join(_DIRECTORY_CANDIDATES)}). "
-        "Pass the file, or the directory it is in."
-    )
+def weight_sets(directory: Path) -> list[WeightSet]:
+    """Every set of weights in ``directory``, in :data:`WEIGHT_ORDER`; each index with the shards it names.
+
+    Names starting with ``.`` (a save in progress, editor files) and files of a training run that hold no
+    weights (:data:`NOT_WEIGHTS`) are not weights; a shard named by an index belongs to that index alone.
+
+    Raises:
+        CheckpointNotFoundError: the directory holds no weights.
+        CheckpointFormatError: an index there is malformed or names files outside the directory.
+    """
+    files = sorted(p for p in directory.iterdir() if not p.name.startswith(".") and p.is_file()
+                   and (p.name.endswith(".index.json") or p.suffix in _WEIGHT_SUFFIXES)
+                   and not any(fnmatch.fnmatch(p.name, n) for n in NOT_WEIGHTS))
+    indexes = [p for p in files if p.name.endswith(".index.json")]
+    sets = [WeightSet(p, _rank(p.name), tuple(shards_of_index(p, _read_index(p)))) for p in indexes]
+    sharded = {shard for s in sets for shard in s.shards}
+    sets += [WeightSet(p, _rank(p.name)) for p in files if p not in indexes and p not in sharded]
+    if not sets:
+        raise CheckpointNotFoundError(
+            f"{directory} holds no checkpoint (looked for {', '.join(WEIGHT_ORDER)}). Pass the file, or the "
+            "directory it is in.")
+    return sorted(sets, key=lambda s: (s.rank, s.name))
+
+
+def _rank(name: str) -> int:
+    return next(i for i, pattern in enumerate(WEIGHT_ORDER) if fnmatch.fnmatch(name, pattern))
+
+
+def _read_index(index: Path) -> bytes:
+    fd = open_regular(index)
+    try:
+        return os.pread(fd, min(os.fstat(fd).st_size, MAX_INDEX_BYTES), 0)
+    finally:
+        os.close(fd)
 
 
 def shards_of_index(index: Path, text: bytes) -> list[Path]:

@@ -211,7 +211,7 @@ class LowMemStrategy(SingleDeviceStrategy):
     def _load_state(self, path: str | Path | Checkpoint, state: dict[str, Any], strict: bool,
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
-        with opened(path) as ckpt:  # once: headers, the other entries, then the weights
+        with opened(path, prefer=self.options.prefer) as ckpt:  # once: headers, other entries, then the weights
             rest = other_entries(ckpt, state, weights_only)
             key = weights_key(ckpt, state)
             _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)

@@ -6,6 +6,7 @@ import litgpt itself, which is imported where it is used.
 """
 
 from lightning_lowmem.litgpt.architecture import LITGPT, LitgptArchitecture
+from lightning_lowmem.litgpt.conversions import GGUF_TO_LITGPT, HF_TO_LITGPT  # noqa: F401  (registers them)
 from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 from lightning_lowmem.litgpt.generation import GenerateResult, GenerationMemory, generate
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, setup_kv_cache

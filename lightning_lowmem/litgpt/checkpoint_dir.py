@@ -1,26 +1,19 @@
-"""A litgpt ``GPT`` from a checkpoint directory, through ``Fabric(strategy=LowMemStrategy(...))``.
+"""A litgpt ``GPT`` from a checkpoint path: which weights, which config, which tokenizer; built on meta and loaded.
 
-Three layouts are read:
+Which weights a path stands for is the engine's resolver's answer (``lightning_lowmem.engine.resolve``), the
+same for every face: a file is itself; a directory's one weight set is read; several sets are compared on
+the model this directory's config builds (the same tensors: the one litgpt takes as it is, ``lit_model.pth``;
+different ones: an error saying how to pick, ``prefer=`` / ``--weights``). The conversion of the weights'
+names into litgpt's (HF, GGUF) is registered with the resolver too (:mod:`.conversions`).
 
-* litgpt's: ``lit_model.pth`` + ``model_config.yaml`` (+ tokenizer files);
-* HF's: ``model.safetensors`` (or a sharded ``*.index.json`` set, or
-  ``pytorch_model.bin``) renamed, reordered and fused (q, k, v into qkv) by
-  litgpt's own conversion (:mod:`lightning_lowmem.litgpt.hf`) as it streams in;
-  an output head that the checkpoint does not hold is tied to the embedding.
-  A checkpoint transformers saved quantized (bitsandbytes, torchao) loads as
-  stored, except the tensors litgpt fuses: their parts are dequantized, fused
-  and quantized again in the same scheme, one tensor at a time;
-* a GGUF file (``model.Q4_0.gguf``, or a directory holding one): dequantized as it is
-  read, converted by transformers' GGUF code and then litgpt's
-  (:mod:`lightning_lowmem.litgpt.gguf`); config and tokenizer from the file.
+The config: the one given, else a GGUF file's metadata (:mod:`.gguf`), else the directory's
+``model_config.yaml``, its name (a litgpt model name, as ``litgpt convert_to_litgpt`` reads it), or its HF
+``config.json`` (:mod:`.hf_config`). The tokenizer: the directory's ``tokenizer.json`` / ``tokenizer.model``,
+or a GGUF file's vocabulary.
 
-The litgpt config of the first two comes from ``model_config.yaml`` when present,
-else from the directory's name, as ``litgpt convert_to_litgpt`` does, else from the
-directory's HF ``config.json`` (:mod:`lightning_lowmem.litgpt.hf_config`).
-
-The model is built on the meta device, RoPE tables included, so nothing the
-size of the whole context is allocated, then streamed in (and quantized) by the
-strategy's ``fabric.load_raw``: caches are sized per request by
+The model is built on the meta device, RoPE tables included, so nothing the size of the whole context is
+allocated, then loaded by :func:`~lightning_lowmem.engine.run_load` (streamed and quantized one tensor at a
+time); Fabric only sets the loaded module up for its precision. Caches are sized per request by
 :func:`~lightning_lowmem.setup_kv_cache`.
 """
 
@@ -35,25 +28,30 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
-from lightning_lowmem.engine import LoadOptions, LoadReport, stored_in
-from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
+from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
+from lightning_lowmem.engine.weight_sets import candidate_sets, choose_set
+from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
-from lightning_lowmem.litgpt.gguf import GGUFSource, gguf_to_litgpt, litgpt_config, read_gguf_source
-from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
+from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.meta import init_empty
 
-_HF_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
-             "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 @dataclass
 class LitgptCheckpoint:
-    """What is in a checkpoint directory: where the weights are, the config, the tokenizer if any.
+    """What a checkpoint path holds for litgpt: the weights chosen and why, the config, the tokenizer if any.
 
-    ``gguf`` holds what a GGUF file says beyond its tensors (its transformers config), None otherwise.
+    Attributes:
+        directory: the directory of the weights (where tokenizer and prompt-style files are looked for).
+        weights: the file (or ``*.index.json``) the resolver chose.
+        config: the litgpt ``Config`` (None only from :meth:`find` with ``require_config=False``).
+        tokenizer: a litgpt ``Tokenizer``, or None (prompts are then token ids).
+        gguf: what a GGUF file says beyond its tensors (its transformers config), None otherwise.
+        why: why these weights (logged; shown by ``inspect``).
+        config_source: where the config came from (without one: why none was found).
     """
 
     directory: Path
@@ -61,27 +59,54 @@ class LitgptCheckpoint:
     config: Any
     tokenizer: Any | None
     gguf: GGUFSource | None = None
+    why: str = ""
+    config_source: str = ""
 
     @classmethod
-    def find(cls, checkpoint_dir: str | Path, config: Any | None = None) -> LitgptCheckpoint:
-        """Inspect ``checkpoint_dir``, a directory or a ``.gguf`` file (reads no weights).
+    def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
+             require_config: bool = True) -> LitgptCheckpoint:
+        """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
+        directory holds several).
 
         Raises:
-            CheckpointNotFoundError: no ``lit_model.pth``, no HF weights and no GGUF file in the directory.
-            ValueError: no config given, and neither ``model_config.yaml``, the directory's name nor its
-                ``config.json`` gives one (see :func:`find_config`); for a GGUF file: a model family
-                lightning_lowmem builds no litgpt config for.
+            CheckpointNotFoundError: ``path`` does not exist or holds no weights.
+            AmbiguousCheckpointError: a directory holds several different weight sets and ``prefer`` picks none.
+            ValueError: no config given, and none found (see :func:`find_config`), with ``require_config``.
         """
-        path = Path(checkpoint_dir)
-        weights = path if path.is_file() else _weights_file(path)
+        path = Path(path).expanduser()
+        directory = path if path.is_dir() else path.parent
+        if not path.exists():
+            raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
+        weights, why = _chosen_weights(path, config, prefer)
         if _is_gguf(weights):
-            with Checkpoint.open(weights) as ckpt:
-                source = read_gguf_source(ckpt)
-            return cls(directory=weights.parent, weights=weights, tokenizer=source.tokenizer, gguf=source,
-                       config=config or litgpt_config(source.hf_config, source.names))
-        directory = weights.parent if path.is_file() else path
-        return cls(directory=directory, weights=weights, config=config or find_config(directory)[0],
-                   tokenizer=_tokenizer(directory))
+            return cls._from_gguf(directory, weights, config, why)
+        origin = "given"
+        if config is None:
+            config, origin = _directory_config(directory, require_config)
+        return cls(directory, weights, config, _tokenizer(directory), why=why, config_source=origin)
+
+    @classmethod
+    def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str) -> LitgptCheckpoint:
+        """A GGUF file: the config (unless given) and the tokenizer from the file itself."""
+        with Checkpoint.open(weights) as ckpt:
+            source = read_gguf_source(ckpt)
+        origin = "given" if config is not None else "the GGUF file's metadata"
+        config = config or litgpt_config(source.hf_config, source.names)
+        return cls(directory, weights, config, source.tokenizer, source, why=why, config_source=origin)
+
+
+def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple[Path, str]:
+    """The weights the resolver chooses for ``path``; several sets in a directory are compared on the model the
+    directory's config builds (on their own names without one)."""
+    if not path.is_dir():
+        return path, f"{path}: the file given"
+    sets = candidate_sets(path, prefer)
+    if len(sets) == 1:
+        return sets[0].path, f"{sets[0].path}: the only weights in {path}"
+    config = config or _directory_config(path, required=False)[0]
+    with contextlib.ExitStack() as stack:
+        choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack)
+    return choice.path, choice.why
 
 
 def build_meta_gpt(config: Any) -> nn.Module:
@@ -93,17 +118,15 @@ def build_meta_gpt(config: Any) -> nn.Module:
 
 
 def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.Module, LoadReport]:
-    """Load through ``Fabric(strategy=LowMemStrategy(...))``: built on meta, streamed (and quantized) in.
-
-    The weights file is opened once: its headers give litgpt's conversion of an HF checkpoint and the
-    plan, then its tensors are read.
+    """Build litgpt's ``GPT`` on meta and load the chosen weights into it (the engine's ``run_load``).
 
     Args:
-        checkpoint: the directory's contents.
-        options: the load options; ``device`` defaults to CPU and ``dtype`` to bf16.
+        checkpoint: what :meth:`LitgptCheckpoint.find` found.
+        options: the load options, dtype and device decided (:func:`~lightning_lowmem.dtypes.load_dtype`);
+            a tensor the checkpoint lacks is an error, never a randomly initialized "adapter".
 
     Returns:
-        ``(model, report)``: the model set up by Fabric (``fabric.setup_module``), in eval mode,
+        ``(model, report)``: the model set up by Fabric for its precision (``fabric.setup_module``), in eval mode,
         and the loader's report.
     """
     import lightning as L
@@ -111,32 +134,12 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     from lightning_lowmem.lightning.strategy import LowMemStrategy
 
     device = options.device or torch.device("cpu")
-    dtype = options.dtype or torch.bfloat16
-    with Checkpoint.open(checkpoint.weights) as ckpt:
-        conversion = _conversion(checkpoint, ckpt, options)
-        if conversion is not None:
-            options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
-                                        transform=getattr(conversion, "transform", None))
-        # inference: a tensor the checkpoint lacks is an error, never a randomly initialized "adapter"
-        strategy = LowMemStrategy(device=device, options=LoadOptions.merge(options, dtype=dtype), init_added=False)
-        fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=precision_flag(dtype))
-        with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
-            model = build_meta_gpt(checkpoint.config)
-        if conversion is not None:
-            conversion.tie(model)  # e.g. no lm_head in the checkpoint: litgpt copies the embedding; here it is shared
-        fabric.load_raw(ckpt, model)
-    model = fabric.setup_module(model)
-    return model.eval(), strategy.reports[-1]
-
-
-def _conversion(checkpoint: LitgptCheckpoint, ckpt: Checkpoint, options: LoadOptions) -> Any | None:
-    """How the checkpoint's tensors become litgpt's: GGUF or HF conversion, or None (litgpt's own keys)."""
-    if checkpoint.gguf is not None:
-        return gguf_to_litgpt(checkpoint.config, ckpt, checkpoint.gguf.hf_config)
-    if not looks_hf(ckpt.records):
-        return None
-    # learned on the weights' own shapes, those stored quantized included
-    return hf_to_litgpt(checkpoint.config, stored_in(ckpt, options).logical_records(ckpt.records))
+    fabric = L.Fabric(accelerator=device.type, devices=1, strategy=LowMemStrategy(device=device),
+                      precision=precision_flag(options.dtype or torch.bfloat16))
+    with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
+        model = build_meta_gpt(checkpoint.config)
+    report = run_load(model, checkpoint.weights, LoadOptions.merge(options, device=device))
+    return fabric.setup_module(model).eval(), report
 
 
 def _is_gguf(path: Path) -> bool:
@@ -144,27 +147,14 @@ def _is_gguf(path: Path) -> bool:
         return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
-def litgpt_weights(path: Path) -> Path:
-    """A directory's ``lit_model.pth`` when it has one (what ``generate`` and ``chat`` load, as litgpt does),
-    else ``path`` itself (what :class:`~lightning_lowmem.formats.Checkpoint` finds there)."""
-    return path / "lit_model.pth" if path.is_dir() and (path / "lit_model.pth").is_file() else path
-
-
-def _weights_file(directory: Path) -> Path:
-    if (directory / "lit_model.pth").is_file():
-        return directory / "lit_model.pth"
-    for name in _HF_FILES:
-        if (directory / name).is_file():
-            return directory / name
-    for pattern in ("*.safetensors", "*.gguf"):
-        found = sorted(directory.glob(pattern)) if directory.is_dir() else []
-        if len(found) == 1:
-            return found[0]
-    raise CheckpointNotFoundError(
-        f"No checkpoint in {str(directory)!r}: expected lit_model.pth (litgpt), model.safetensors / "
-        f"model.safetensors.index.json / pytorch_model.bin (HF) or one .gguf file. Found: "
-        f"{format_names(sorted(p.name for p in directory.iterdir())) if directory.is_dir() else 'no such directory'}."
-    )
+def _directory_config(directory: Path, required: bool) -> tuple[Any | None, str]:
+    """:func:`find_config` of ``directory``; with ``required`` False, ``(None, why not)`` where it finds none."""
+    try:
+        return find_config(directory)
+    except (ValueError, CheckpointFormatError) as e:
+        if required:
+            raise
+        return None, str(e)
 
 
 def find_config(directory: Path) -> tuple[Any, str]:
@@ -194,18 +184,6 @@ def find_config(directory: Path) -> tuple[Any, str]:
         return config_from_hf_json(directory / "config.json")
     except ValueError as e:
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}. {e}") from e
-
-
-def config_near(path: Path) -> Any | None:
-    """The litgpt config of the checkpoint at ``path`` (a file: its directory's) by :func:`find_config`, or None
-    when nothing there gives one."""
-    directory = path if path.is_dir() else path.parent
-    if not directory.is_dir():
-        return None
-    try:
-        return find_config(directory)[0]
-    except (ValueError, CheckpointFormatError):
-        return None
 
 
 def has_tokenizer(directory: Path) -> bool:

@@ -10,29 +10,30 @@ own builders.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import (
     CPU_RUNTIME,
     LoadOptions,
     MemoryEstimate,
+    Source,
     estimate_prepared,
     prepare_load,
-    stored_in,
+    records_source,
+    resolved,
 )
 from lightning_lowmem.errors import CheckpointNotFoundError
-from lightning_lowmem.formats import Checkpoint, TensorRecord
-from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near, litgpt_weights
-from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, litgpt_config, read_gguf_source
-from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
+from lightning_lowmem.formats import TensorRecord
+from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
-from lightning_lowmem.quantize.stored import StoredWeights
 
 
 def estimate_memory(
@@ -83,54 +84,45 @@ def estimate_memory(
     """
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
-    dtype = options.dtype or torch.bfloat16
-    options = LoadOptions.merge(options, dtype=dtype)
-    model, records, name, files, conversion, stored = _model_and_records(source, config, dtype, options)
-    if model is None:
-        model = stand_in_module(stored.logical_records(records))
-    elif options.key_map is None and (conversion is not None or looks_hf(records)):
-        conversion = conversion or hf_to_litgpt(model.config, stored.logical_records(records))
-        conversion.tie(model)  # as the load does
-        options = LoadOptions.merge(options, key_map=conversion.key_map, combine=conversion.combine,
-                                    transform=getattr(conversion, "transform", None))
-    length = max_seq_length or (model.config.block_size if hasattr(model, "config") else 0)
-    is_litgpt = hasattr(model, "config")
-    if is_litgpt and length > model.config.block_size:
-        raise ValueError(f"max_seq_length={length} is past the model's block size ({model.config.block_size}); "
-                         f"ask for prompt + max_new_tokens <= {model.config.block_size}.")
-    if options.budgets is not None and not is_litgpt:
-        raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
-    options = LoadOptions.merge(options, context=length or None)
-    prepared = prepare_load(model, records, options, files=files, check_keys=False, stored=stored)
-    est = estimate_prepared(prepared, model=name, dtype=dtype, batch_size=options.batch_size, max_seq_length=length,
-                            prompt_length=prompt_length or length, runtime=runtime, with_caches=is_litgpt)
+    options = LoadOptions.merge(options, dtype=load_dtype(options.dtype, None, torch.bfloat16))
+    with contextlib.ExitStack() as stack:
+        model, source, name = _model_and_source(source, config, options, stack)
+        is_litgpt = hasattr(model, "config")
+        length = max_seq_length or (model.config.block_size if is_litgpt else 0)
+        if is_litgpt and length > model.config.block_size:
+            raise ValueError(f"max_seq_length={length} is past the model's block size ({model.config.block_size}); "
+                             f"ask for prompt + max_new_tokens <= {model.config.block_size}.")
+        if options.budgets is not None and not is_litgpt:
+            raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
+        options = LoadOptions.merge(options, context=length or None)
+        prepared = prepare_load(model, source, options, check_keys=False)
+    est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
+                            max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
+                            with_caches=is_litgpt)
     if not is_litgpt:
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated; "
                          "Linear layers guessed from key names and shapes")
     return est
 
 
-def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype, options: LoadOptions
-                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None, StoredWeights]:
-    """The meta-built litgpt model (None without a config), the records to plan from, a name, the files, a GGUF
-    file's conversion (None for other checkpoints) and the weights the checkpoint holds already quantized."""
+def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
+                      stack: contextlib.ExitStack) -> tuple[nn.Module, Source, str]:
+    """The meta-built litgpt model (a stand-in module without a config), the resolved source to plan from (opened
+    on ``stack``), and a name for the estimate. The weights and the config are found as ``generate`` finds them."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
-        records = {n: TensorRecord(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, Path("<config>"))
+        records = {n: TensorRecord(n, tuple(t.shape), options.dtype if t.is_floating_point() else t.dtype,
+                                   Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
-        return model, records, source.name, f"the config {source.name!r}", None, StoredWeights()
-    conversion = None
-    weights = litgpt_weights(Path(source)) if isinstance(source, (str, Path)) else source  # what generate loads
-    with Checkpoint.open(weights) as ckpt:
-        records, files, stored = dict(ckpt.records), ckpt.description, stored_in(ckpt, options)
-        if ckpt.gguf is not None:  # the config and the conversion from the file, as generate() makes them
-            found = read_gguf_source(ckpt, tokenizer=False)
-            config = config or litgpt_config(found.hf_config, found.names)
-            conversion = gguf_to_litgpt(config, ckpt, found.hf_config)
-    config = config or config_near(Path(source))
-    model = build_meta_gpt(config) if config is not None else None
-    return model, records, getattr(config, "name", "") or str(source), files, conversion, stored
+        return model, records_source(records, options, f"the config {source.name!r}"), source.name
+    found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False)
+    if found.config is None:  # no model to build: a stand-in of the checkpoint's own tensors
+        resolved_source = stack.enter_context(resolved(found.weights, None, options))
+        model = stand_in_module(resolved_source.stored.logical_records(resolved_source.records))
+        return model, resolved_source, str(source)
+    model = build_meta_gpt(found.config)
+    return model, stack.enter_context(resolved(found.weights, model, options)), found.config.name
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

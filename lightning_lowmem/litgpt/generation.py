@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from lightning_lowmem.devices import cuda_or_none
-from lightning_lowmem.dtypes import precision_dtype
+from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
+from lightning_lowmem.quantize import module_nbytes
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
 
 
@@ -92,12 +93,11 @@ class GenerateResult:
 
 
 def generation_options(options: LoadOptions | None, precision: str | None, **overrides: Any) -> LoadOptions:
-    """The load options of a generation: ``options`` with the keyword arguments put in, and ``precision``
-    (litgpt's ``--precision``, default ``"bf16-true"``) as the dtype unless the options name one."""
+    """The load options of a generation, built once: ``options`` with the keyword arguments put in, and the dtype
+    decided by :func:`~lightning_lowmem.dtypes.load_dtype` (``options.dtype``, else ``precision``, litgpt's
+    ``--precision``, else bf16)."""
     options = LoadOptions.merge(options, **overrides)
-    if precision is not None or options.dtype is None:
-        options = LoadOptions.merge(options, dtype=precision_dtype(precision or "bf16-true"))
-    return options
+    return LoadOptions.merge(options, dtype=load_dtype(options.dtype, precision, torch.bfloat16))
 
 
 def load_for_generation(
@@ -111,14 +111,15 @@ def load_for_generation(
 ) -> tuple[nn.Module, Any | None, LoadReport]:
     """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``. ``checkpoint_dir`` is a path, or
     what :meth:`LitgptCheckpoint.find` found there."""
-    checkpoint = _found(checkpoint_dir, config)
-    model, report = load_litgpt(checkpoint, generation_options(options, precision, quantize=quantize, device=device))
+    options = generation_options(options, precision, quantize=quantize, device=device)
+    checkpoint = _found(checkpoint_dir, config, options)
+    model, report = load_litgpt(checkpoint, options)
     return model, checkpoint.tokenizer, report
 
 
-def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None) -> LitgptCheckpoint:
+def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None, options: LoadOptions) -> LitgptCheckpoint:
     if not isinstance(checkpoint, LitgptCheckpoint):
-        return LitgptCheckpoint.find(checkpoint, config)
+        return LitgptCheckpoint.find(checkpoint, config, options.prefer)
     return checkpoint if config is None else replace(checkpoint, config=config)
 
 
@@ -201,7 +202,7 @@ def generate(
     import litgpt.generate.base  # noqa: F401  (imported before the monitor starts: its import is no model memory)
 
     options = generation_options(options, precision, quantize=quantize, device=device)
-    found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config)
+    found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
     if found is not None:
@@ -242,12 +243,9 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
 def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:
     caches = cache_bytes(model)
     usage = monitor.usage
-    weights = report.bytes_loaded if report is not None else _weight_bytes(model)
+    weights = report.bytes_loaded if report is not None else module_nbytes(model)
     return GenerationMemory(weights=weights, kv_cache=caches.kv, mask=caches.mask, rope=caches.rope,
                             load_peak=report.memory.rss_peak - usage.rss_start if report is not None else 0,
                             peak=usage.rss_peak_delta, rss_start=usage.rss_start,
                             device_peak=usage.device_peak)
 
-
-def _weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -72,6 +72,11 @@ class HFConversion:
     _copy: Copy | None = None
     _outputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def function_name(self) -> str:
+        """The name of litgpt's ``copy_weights_*`` function this conversion runs."""
+        return getattr(self._copy, "__name__", "")
+
     def key_map(self, key: str) -> str | None:
         """For :func:`~lightning_lowmem.load_checkpoint`'s ``key_map``."""
         return self.renames.get(key, key)
@@ -131,19 +136,6 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
     unused = [key for key in records if conversion.renames[key] is None and key not in parts]
     conversion.sources.update(_incomplete(conversion.sources, unused))
     return conversion
-
-
-def looks_hf(records: Mapping[str, TensorRecord]) -> bool:
-    """Whether a checkpoint's keys are HF's, to be converted, rather than litgpt's own (``transformer.*``,
-    ``lm_head.*``); Falcon's HF keys also sit under ``transformer.`` but hold ``query_key_value``.
-
-    Example::
-
-        >>> looks_hf({"transformer.wte.weight": None}), looks_hf({"model.embed_tokens.weight": None})
-        (False, True)
-    """
-    return not all(key.startswith(("transformer.", "lm_head.")) for key in records) or any(
-        "query_key_value" in key for key in records)
 
 
 def _copy_function(config: Any) -> Copy:

@@ -58,3 +58,19 @@ def guess_prefix(module_keys: set[str], ckpt_keys: list[str]) -> tuple[KeyMap | 
         if n > best[0]:
             best = (n, key_map, note)
     return best[1], best[2]
+
+
+def names_fit(module_keys: set[str], ckpt_keys: list[str]) -> bool:
+    """Whether a checkpoint names its tensors as the module does (a prefix guessed at most): at least half its keys
+    are the module's names. Otherwise its names are another library's, for a conversion to map.
+
+    Example::
+
+        >>> names_fit({"transformer.wte.weight", "lm_head.weight"}, ["model.transformer.wte.weight"])
+        True
+        >>> names_fit({"transformer.wte.weight"}, ["gpt_neox.embed_in.weight", "embed_out.weight"])
+        False
+    """
+    key_map, _ = guess_prefix(module_keys, ckpt_keys)
+    hits = sum(apply_key_map(key, key_map) in module_keys for key in ckpt_keys)
+    return bool(ckpt_keys) and 2 * hits >= len(ckpt_keys)

@@ -24,7 +24,8 @@ def test_a_good_checkpoint_matches_its_config(run_cli, tmp_path, tiny_config, wr
     assert got["dtypes"] == {"bfloat16": {"tensors": len(state), "bytes": got["bytes"]}}
     assert got["format"] == "torch zip" and got["entry"] == ""
     assert got["config"] == {"name": "pythia-tiny", "source": "model_config.yaml", "matches": True,
-                             "tensors": len(state), "error": None, "error_type": None}
+                             "conversion": "none: litgpt's own names", "tensors": len(state), "error": None,
+                             "error_type": None}
 
 
 def test_a_lightning_checkpoint_names_its_entry(tmp_path, tiny_config, tiny_gpt, write_checkpoint, capsys):

@@ -246,23 +246,23 @@ def test_load_prepared_streams_a_prepared_load_whole_or_puts_the_module_back(tmp
                                                                              meta_gpt, write_checkpoint):
     """The engine's two-step API (prepare from headers, then stream) loads as load_checkpoint does, and a file
     cut short during the read leaves the module on meta."""
-    from lightning_lowmem import Checkpoint, LoadOptions
-    from lightning_lowmem.engine import load_prepared, prepare_load
+    from lightning_lowmem import LoadOptions
+    from lightning_lowmem.engine import load_prepared, prepare_load, resolved
 
     config = tiny_config()
     source = tiny_gpt(config)
     path = write_checkpoint(source.state_dict(), "safetensors", tmp_path)
-    model = meta_gpt(config)
-    with Checkpoint.open(path) as ckpt:
-        report = load_prepared(prepare_load(model, ckpt.records, LoadOptions(progress=False)), ckpt)
+    model, options = meta_gpt(config), LoadOptions(progress=False)
+    with resolved(path, model, options) as resolved_source:
+        report = load_prepared(prepare_load(model, resolved_source, options))
     assert report.tensors == len(source.state_dict()) and report.memory is not None
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
 
     model = meta_gpt(config)
-    with Checkpoint.open(path) as ckpt:
-        prepared = prepare_load(model, ckpt.records, LoadOptions(progress=False))
+    with resolved(path, model, options) as resolved_source:
+        prepared = prepare_load(model, resolved_source, options)
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size - 64)
         with pytest.raises(CheckpointFormatError):
-            load_prepared(prepared, ckpt)
+            load_prepared(prepared)
     assert all(p.is_meta for p in model.parameters())

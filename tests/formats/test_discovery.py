@@ -11,18 +11,30 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_lowmem import Checkpoint, CheckpointFormatError, CheckpointNotFoundError
+from lightning_lowmem import AmbiguousCheckpointError, Checkpoint, CheckpointFormatError, CheckpointNotFoundError
+from lightning_lowmem.formats.discovery import weight_sets
 
 
-def test_directory_prefers_safetensors_and_says_so(tmp_path, write_checkpoint, caplog):
+def test_a_directory_lists_its_weight_sets_in_the_documented_order(tmp_path, write_checkpoint):
     state = {"w": torch.ones(2)}
     write_checkpoint(state, "pth", tmp_path)
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
     save_file({"w": torch.full((2,), 7.0)}, tmp_path / "model.safetensors")
-    with caplog.at_level(logging.INFO, logger="lightning_lowmem"), Checkpoint.open(tmp_path) as ckpt:
-        assert ckpt.paths == [tmp_path / "model.safetensors"]
-        assert torch.equal(ckpt.read("w"), torch.full((2,), 7.0))
-    assert "using model.safetensors" in caplog.text and "lit_model.pth" in caplog.text
+    write_checkpoint({f"l{i}.w": torch.ones(2) for i in range(4)}, "sharded-safetensors", tmp_path / "shards")
+    for name in ("optimizer.pt", "training_args.bin", ".model.safetensors.partial"):  # no weights, or a save's temp
+        torch.save({"x": torch.ones(1)}, tmp_path / name)
+    assert [s.name for s in weight_sets(tmp_path)] == ["model.safetensors", "lit_model.pth", "pytorch_model.bin"]
+    sharded = weight_sets(tmp_path / "shards")
+    assert [s.name for s in sharded] == ["model.safetensors.index.json"] and len(sharded[0].shards) == 4
+
+
+def test_checkpoint_open_of_a_directory_with_several_sets_does_not_guess(tmp_path, write_checkpoint):
+    """Which of several sets to read is the engine's resolver's decision (it compares them); opening the directory
+    alone raises, naming them."""
+    write_checkpoint({"w": torch.ones(2)}, "pth", tmp_path)
+    save_file({"w": torch.full((2,), 7.0)}, tmp_path / "model.safetensors")
+    with pytest.raises(AmbiguousCheckpointError, match=r"'model.safetensors', 'lit_model.pth'"):
+        Checkpoint.open(tmp_path)
 
 
 def test_format_is_detected_by_content_not_name(tmp_path):

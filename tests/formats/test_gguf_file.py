@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_lowmem import Checkpoint, CheckpointFormatError, CheckpointNotFoundError, init_empty, load_checkpoint
+from lightning_lowmem import AmbiguousCheckpointError, Checkpoint, CheckpointFormatError, CheckpointNotFoundError, init_empty, load_checkpoint
 from lightning_lowmem.formats.gguf_file import DEQUANTIZE_ELEMENTS
 from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
 
@@ -105,7 +105,7 @@ def test_found_by_content_and_alone_in_a_directory(tmp_path, tiny_gguf):
     with Checkpoint.open(alone) as ckpt:
         assert ckpt.paths == [alone / "model.Q4_0.gguf"]
     shutil.copy(tiny_gguf["Q8_0"], alone / "model.Q8_0.gguf")
-    with pytest.raises(CheckpointFormatError, match=r"several candidate.*model\.Q4_0\.gguf.*model\.Q8_0\.gguf"):
+    with pytest.raises(AmbiguousCheckpointError, match=r"2 weight sets.*model\.Q4_0\.gguf.*model\.Q8_0\.gguf"):
         Checkpoint.open(alone)
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from lightning_lowmem import CheckpointNotFoundError
-from lightning_lowmem.litgpt.checkpoint_dir import config_near, find_config
+from lightning_lowmem.litgpt.checkpoint_dir import find_config
 
 
 def test_the_order_of_the_sources(tmp_path, tiny_config, write_litgpt_dir):
@@ -26,6 +26,5 @@ def test_none_found_lists_what_was_tried(tmp_path):
     with pytest.raises(ValueError, match=r"no model_config\.yaml in .*'empty' is no litgpt model name.*no config\.json"):
         (tmp_path / "empty").mkdir()
         find_config(tmp_path / "empty")
-    assert config_near(tmp_path / "empty" / "model.safetensors") is None
     with pytest.raises(CheckpointNotFoundError, match="does not exist"):
         find_config(tmp_path / "nowhere")

@@ -186,15 +186,22 @@ def test_prequantized_checkpoints_are_counted_at_their_stored_bytes(tmp_path, ti
     assert est.weights == report.bytes_loaded and est.quantized_weights > 0
 
 
-def test_a_directory_holding_lit_model_pth_is_estimated_from_it_as_generate_loads_it(tmp_path, tiny_config,
-                                                                                      write_litgpt_dir):
-    """Beside a safetensors file, ``lit_model.pth`` is what ``generate`` loads: the estimate reads the same file."""
+def test_a_directory_of_two_weight_sets_is_estimated_from_the_one_generate_loads(tmp_path, tiny_config,
+                                                                                  write_litgpt_dir):
+    """Beside a safetensors copy of the same tensors, ``lit_model.pth`` (litgpt's own names) is read; beside a copy
+    that differs (another dtype), the estimate raises as generate does, and ``prefer=`` picks."""
     import safetensors.torch
+
+    from lightning_lowmem import AmbiguousCheckpointError, LoadOptions
 
     directory = write_litgpt_dir(tmp_path / "pythia-tiny", tiny_config(), dtype=torch.float32, tokenizer=False)
     state = torch.load(directory / "lit_model.pth", weights_only=True)
-    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, directory / "model.safetensors")
+    safetensors.torch.save_file(state, directory / "model.safetensors")
     config = tiny_config()
     by_dir = estimate_memory(directory, config=config, max_seq_length=16).to_dict()
     assert by_dir == estimate_memory(directory / "lit_model.pth", config=config, max_seq_length=16).to_dict()
-    assert by_dir != estimate_memory(directory / "model.safetensors", config=config, max_seq_length=16).to_dict()
+    safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, directory / "model.safetensors")
+    with pytest.raises(AmbiguousCheckpointError, match=r"model.safetensors and lit_model.pth.*--weights"):
+        estimate_memory(directory, config=config, max_seq_length=16)
+    picked = estimate_memory(directory, config=config, max_seq_length=16, options=LoadOptions(prefer="lit_model.pth"))
+    assert picked.to_dict() == by_dir

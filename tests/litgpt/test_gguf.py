@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_lowmem import generate
+from lightning_lowmem import AmbiguousCheckpointError, generate
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
 from lightning_lowmem.litgpt.gguf import litgpt_config
 
@@ -87,7 +87,7 @@ def test_a_family_without_a_litgpt_config_asks_for_one(tmp_path, tiny_gguf):
     directory.mkdir()
     shutil.copy(tiny_gguf["Q8_0"], directory / "a.gguf")
     shutil.copy(tiny_gguf["Q4_0"], directory / "b.gguf")
-    with pytest.raises(FileNotFoundError, match=r"one \.gguf file"):
+    with pytest.raises(AmbiguousCheckpointError, match=r"a\.gguf and b\.gguf: the values of .* differ"):
         LitgptCheckpoint.find(directory)
 
 

@@ -21,7 +21,7 @@ from lightning_lowmem import (
     init_empty,
     load_checkpoint,
 )
-from lightning_lowmem.engine import estimate_prepared, prepare_load
+from lightning_lowmem.engine import estimate_prepared, prepare_load, resolved
 from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
 
@@ -91,9 +91,9 @@ def test_the_plan_reads_stored_bytes_and_the_estimate_counts_the_dequantized_ten
     model = _meta_llama(path)
     conversion = gguf_to_transformers(path, model)
     options = LoadOptions(key_map=conversion.key_map, transform=conversion.transform, dtype=torch.bfloat16)
-    with Checkpoint.open(path) as ckpt:
-        prepared = prepare_load(model, ckpt.records, options)
-        embedding = ckpt.records["token_embd.weight"]
+    with resolved(path, model, options) as source:
+        prepared = prepare_load(model, source, options)
+        embedding = source.records["token_embd.weight"]
     assert prepared.plan.nbytes == sum(t.record.nbytes for t in prepared.plan.targets)
     est = estimate_prepared(prepared, model="tiny", dtype=torch.bfloat16, batch_size=1, max_seq_length=16,
                             prompt_length=4, with_caches=False)
@@ -118,10 +118,22 @@ def test_a_family_transformers_only_renames_needs_no_transform(tiny_gguf, read_r
     assert "blk.0.ffn_down.weight" not in read_recorder.whole
 
 
-def test_without_the_conversion_the_mismatch_names_the_gguf_keys(tiny_gguf):
+def test_one_call_loads_a_gguf_into_the_model_its_config_builds(tiny_gguf, gguf_kind, gguf_from_pretrained,
+                                                                 forward_logits):
+    """No key map, no transform: the resolver picks transformers' GGUF conversion from what the module and the
+    file are, and the logits equal ``from_pretrained(gguf_file=...)``'s bit for bit."""
+    path = tiny_gguf[gguf_kind]
+    model = _meta_llama(path)
+    report = load_checkpoint(model, path, dtype=torch.float32, progress=False)
+    assert torch.equal(forward_logits(model.eval()), forward_logits(gguf_from_pretrained(path)))
+    assert report.conversion.startswith("GGUF -> transformers (llama")
+
+
+def test_an_explicit_key_map_replaces_the_conversion(tiny_gguf):
+    """Keys the caller maps are the caller's: no conversion is added, so these GGUF names do not fit."""
     model = _meta_llama(tiny_gguf["Q8_0"])
     with pytest.raises(CheckpointMismatchError, match=r"blk\.0\.attn_k\.weight"):
-        load_checkpoint(model, tiny_gguf["Q8_0"], progress=False)
+        load_checkpoint(model, tiny_gguf["Q8_0"], key_map={"unused.": ""}, progress=False)
 
 
 def test_a_family_transformers_rebuilds_across_tensors_is_refused(tmp_path):
