@@ -23,7 +23,7 @@ from lightning_lowmem.quantize import Selection, check_shardable, prepare_quanti
 
 
 def quantize_for_sharding(module: nn.Module, options: LoadOptions, count: int,
-                          device: torch.device | None = None) -> Selection:
+                          device: torch.device | None = None, *, dtype: torch.dtype | None = None) -> Selection:
     """Put ``options.quantize``'s modules, weights on meta, in place of the Linears it chooses in ``module``,
     before ``module`` is split by rows into ``count`` shards (``fully_shard``); a later load fills them.
 
@@ -35,6 +35,7 @@ def quantize_for_sharding(module: nn.Module, options: LoadOptions, count: int,
         options: the load options (``quantize``, ``skip_quantize``, ``dtype``).
         count: the number of shards each weight is split into (the data-parallel world size).
         device: where the kernels will run (checked now); default CPU.
+        dtype: the dtype the weights load in, when the face decided it (default: ``options.dtype``).
 
     Raises:
         UnsupportedQuantizationError: the scheme cannot be sharded (anything but ``torchao.nf4``), or has
@@ -52,7 +53,7 @@ def quantize_for_sharding(module: nn.Module, options: LoadOptions, count: int,
     """
     scheme = options.scheme
     check_shardable(scheme, f"the model is to be sharded in {count} shards")
-    plan = make_plan(module, module_records(module), dtype=options.dtype)
+    plan = make_plan(module, module_records(module), dtype=dtype or options.dtype)
     selection = select_linears(module, plan, scheme, options.skip_quantize)
     for name, weight in list(selection.chosen.items()):
         target = plan.target_of(weight)

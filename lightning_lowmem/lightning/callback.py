@@ -25,10 +25,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_lowmem.engine import LoadOptions, LoadReport
-from lightning_lowmem.errors import CheckpointMismatchError, format_names
-from lightning_lowmem.formats.discovery import locate
-from lightning_lowmem.lightning.load import load_into
-from lightning_lowmem.lightning.state import module_to_device_skipping_meta, plugin_dtype
+from lightning_lowmem.errors import CheckpointMismatchError, CheckpointNotFoundError, format_names
+from lightning_lowmem.lightning.load import LightningLoader
+from lightning_lowmem.lightning.state import module_to_device_skipping_meta
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.meta import has_meta, init_empty
 from lightning_lowmem.placement import MaxMemory, Offload, move_except_offloaded
@@ -78,17 +77,27 @@ class LowMemCallback(pl.Callback):
         context: int | None = None,
     ) -> None:
         self.checkpoint = checkpoint
-        self.options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
-                                         strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
-                                         context=context)
+        self.loader = LightningLoader(LoadOptions.merge(
+            options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict, key_map=key_map,
+            progress=progress, max_memory=max_memory, context=context))
         self.save_frozen = save_frozen
-        self.report: LoadReport | None = None
         self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._frozen: set[str] = set()  # frozen parameters (and quantized modules) that came from `checkpoint`
         self._user_strict_loading = True
 
+    @property
+    def options(self) -> LoadOptions:
+        """The callback's load options."""
+        return self.loader.options
+
+    @property
+    def report(self) -> LoadReport | None:
+        """The latest load's :class:`~lightning_lowmem.LoadReport` (None before the first)."""
+        return self.loader.reports[-1] if self.loader.reports else None
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        locate(self.checkpoint)  # a wrong path fails now, before anything is built (opens nothing)
+        if not Path(self.checkpoint).expanduser().exists():  # a wrong path fails now, before anything is built
+            raise CheckpointNotFoundError(f"Checkpoint {str(self.checkpoint)!r} does not exist. Check the path.")
         if getattr(pl_module.__dict__.get("configure_model"), "lowmem_callback", None) is self:
             return
         original = pl_module.configure_model
@@ -117,14 +126,14 @@ class LowMemCallback(pl.Callback):
             return  # a later stage in the same process: keep what was loaded (and trained)
         if not has_meta(pl_module):
             _warn_allocated(pl_module, self.checkpoint)
-        self.report = load_into(pl_module, self.checkpoint, self.options, device=trainer.strategy.root_device,
-                                dtype=plugin_dtype(trainer.precision_plugin))
+        report = self.loader.load(pl_module, self.checkpoint, device=trainer.strategy.root_device,
+                                  precision=trainer.precision_plugin)
         self._loaded.add(pl_module)
-        if self.report.offload is not None:
-            _keep_offloaded_on_host(trainer.strategy, self.report.offload)
-        missing = set(self.report.missing)
+        if report.offload is not None:
+            _keep_offloaded_on_host(trainer.strategy, report.offload)
+        missing = set(report.missing)
         self._frozen = {n for n, p in pl_module.named_parameters() if not p.requires_grad and n not in missing}
-        self._frozen |= set(self.report.quantized)
+        self._frozen |= set(report.quantized)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if pl_module is None or not has_meta(pl_module):

@@ -17,7 +17,6 @@ into them.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
@@ -37,8 +36,7 @@ from lightning_lowmem.engine import LoadOptions, LoadReport, allocate_shards, qu
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
-from lightning_lowmem.lightning.load import load_into
-from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_params
+from lightning_lowmem.lightning.load import LightningLoader
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import shard_model
 from lightning_lowmem.plan import Combine, KeyMap
@@ -100,21 +98,29 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
     ) -> None:
         super().__init__(parallelize_fn or shard_model, data_parallel_size, tensor_parallel_size,
                          save_distributed_checkpoint, process_group_backend, timeout)
-        self.options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
-                                         strict=strict, key_map=key_map, progress=progress, transform=transform,
-                                         combine=combine)
-        if self.options.max_memory is not None:
+        options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
+                                    strict=strict, key_map=key_map, progress=progress, transform=transform,
+                                    combine=combine)
+        if options.max_memory is not None:
             raise ValueError("LowMemFSDPStrategy shards the model across ranks; max_memory (offload) is not "
                              "supported with it. Leave max_memory unset, or use strategy='lowmem' on one device.")
         self._default_layout = parallelize_fn is None
-        self.init_added = init_added
-        self.reports: list[LoadReport] = []
-        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self.loader = LightningLoader(options, init_added=init_added)
+
+    @property
+    def options(self) -> LoadOptions:
+        """The strategy's load options."""
+        return self.loader.options
+
+    @property
+    def reports(self) -> list[LoadReport]:
+        """Every load's :class:`~lightning_lowmem.LoadReport` on this rank, the latest last."""
+        return self.loader.reports
 
     @property
     def load_dtype(self) -> torch.dtype | None:
         """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
-        return self.options.dtype or plugin_dtype(self.precision)
+        return self.loader.dtype(self.precision)
 
     @override
     def setup_environment(self) -> None:
@@ -136,8 +142,7 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.options.scheme is not None:  # the chosen Linears built 4-bit on meta, before sharding
             shards = self.device_mesh["data_parallel"].size()
-            quantize_for_sharding(module, LoadOptions.merge(self.options, dtype=self.load_dtype), shards,
-                                  self.root_device)
+            quantize_for_sharding(module, self.options, shards, self.root_device, dtype=self.load_dtype)
         module = self._parallelize_fn(module, self.device_mesh)
         if not isinstance(module, nn.Module):
             raise TypeError(f"The `parallelize_fn` must return a `nn.Module` instance, but got: {type(module).__name__}")
@@ -149,7 +154,7 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._optimizers.add(optimizer)
+        self.loader.track(optimizer)
         return super().setup_optimizer(optimizer)
 
     @override
@@ -168,25 +173,22 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
                     unfilled(module).clear()
                 return rest
         if isinstance(state, nn.Module):
-            self._stream(path, state, strict=strict, optimizers=list(self._optimizers))
+            self._stream(path, state, strict=strict)
             return {}
         if not state or isinstance(state, Optimizer):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         return load_full_checkpoint(path, state, strict, weights_only, stream=lambda ckpt, module: self._stream(
-            ckpt, module, strict=strict, optimizers=[*self._optimizers, *_optimizers_of(state)]))
+            ckpt, module, strict=strict, optimizers=_optimizers_of(state)))
 
     def _stream(self, path: str | Path | Checkpoint, module: nn.Module, strict: bool,
-                optimizers: list[Optimizer]) -> None:
+                optimizers: list[Optimizer] = ()) -> None:
         if not any(is_dtensor(p) for p in module.parameters()):
             rank_zero_warn("LowMemFSDPStrategy: loading into a model that is not sharded yet, so every rank reads "
                            "and holds all of it. Call fabric.setup(model) first, then load: each rank then reads "
                            "only its shard.")
-        before = dict(module.named_parameters(remove_duplicate=False))
-        report = load_into(module, path, self.options, device=self.root_device, dtype=self.load_dtype, strict=strict,
-                           init_added=self.init_added, unfilled=frozenset(unfilled(module)))
+        self.loader.load(module, path, device=self.root_device, precision=self.precision, strict=strict,
+                         unfilled=frozenset(unfilled(module)), optimizers=optimizers)
         unfilled(module).clear()
-        self.reports.append(report)
-        remap_optimizer_params(optimizers, before, dict(module.named_parameters(remove_duplicate=False)))
 
 
 def _modules_of(state: object) -> list[nn.Module]:

@@ -1,9 +1,11 @@
-"""How the Lightning faces load: one prepared load, and the parameters a module adds (adapters, heads) initialized.
+"""How the Lightning faces load: one loader, one prepared load, and the parameters a module adds initialized.
 
-The Fabric strategy and the Trainer callback both load through :func:`load_into`:
-it opens the checkpoint once, plans the load from its headers
-(:func:`~lightning_lowmem.engine.run_load`), initializes the parameters the
-module *adds* beyond the checkpoint, and streams the rest with the same plan.
+``LowMemStrategy``, ``LowMemFSDPStrategy`` and ``LowMemCallback`` each hold one
+:class:`LightningLoader`: the face's load options (built once), its reports, and
+the optimizers it re-points at the loaded parameters. Each load goes through
+:func:`load_into`: it resolves and opens the checkpoint once, plans the load from
+its headers (:func:`~lightning_lowmem.engine.run_load`), initializes the parameters
+the module *adds* beyond the checkpoint, and streams the rest with the same plan.
 A parameter counts as added when it is
 
 * missing from the checkpoint,
@@ -21,19 +23,63 @@ left on meta is an error either way, raised before a byte of weights is read.
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, allocate_shards, run_load
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_params
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import LoadPlan
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 log = logging.getLogger(__name__)
+
+
+class LightningLoader:
+    """The load of one Lightning face: its options, its reports, the optimizers it re-points after a load.
+
+    Args:
+        options: the face's :class:`~lightning_lowmem.LoadOptions`, built once from its keyword arguments.
+        init_added: initialize trainable parameters the checkpoint lacks (adapters); False: an error.
+    """
+
+    def __init__(self, options: LoadOptions, init_added: bool = True) -> None:
+        self.options = options
+        self.init_added = init_added
+        self.reports: list[LoadReport] = []
+        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+
+    def track(self, optimizer: Optimizer) -> None:
+        """Re-point ``optimizer`` at the loaded parameters after each load (it was set up on the meta ones)."""
+        self._optimizers.add(optimizer)
+
+    def dtype(self, precision: object) -> torch.dtype | None:
+        """What weights are cast to: the ``dtype`` option, else the precision plugin's
+        (:func:`~lightning_lowmem.dtypes.load_dtype`)."""
+        return load_dtype(self.options.dtype, plugin_dtype(precision))
+
+    def load(self, module: nn.Module, checkpoint: str | Path | Checkpoint, *, device: torch.device,
+             precision: object, strict: bool = True, unfilled: frozenset[str] = frozenset(),
+             optimizers: Iterable[Optimizer] = ()) -> LoadReport:
+        """Load ``checkpoint`` into ``module`` on ``device`` (:func:`load_into`), keep the report, and point the
+        tracked ``optimizers`` (and those given) at the loaded parameters."""
+        before = dict(module.named_parameters(remove_duplicate=False))
+        options = LoadOptions.merge(self.options, dtype=self.dtype(precision),
+                                    device=None if self.options.max_memory else device)
+        report = load_into(module, checkpoint, options, device=device, strict=strict, init_added=self.init_added,
+                           unfilled=unfilled)
+        self.reports.append(report)
+        remap_optimizer_params([*self._optimizers, *optimizers], before,
+                               dict(module.named_parameters(remove_duplicate=False)))
+        return report
 
 
 def load_into(
@@ -42,20 +88,18 @@ def load_into(
     options: LoadOptions,
     *,
     device: torch.device,
-    dtype: torch.dtype | None = None,
     strict: bool = True,
     init_added: bool = True,
     unfilled: frozenset[str] = frozenset(),
 ) -> LoadReport:
-    """Stream ``checkpoint`` into ``module`` on ``device`` and initialize the parameters the module adds.
+    """Stream ``checkpoint`` into ``module`` and initialize the parameters the module adds.
 
     Args:
         module: the module, usually built inside :func:`~lightning_lowmem.init_empty`.
         checkpoint: anything :func:`~lightning_lowmem.load_checkpoint` reads, or an open ``Checkpoint``.
-        options: the face's load options; ``options.dtype`` wins over ``dtype``, ``options.strict``
-            (when set) over ``strict``; with ``options.max_memory`` the placement decides the devices.
-        device: the strategy's device.
-        dtype: fallback cast (the precision plugin's dtype).
+        options: the load's options, dtype and device decided; ``options.strict`` (when set) wins over
+            ``strict``; with ``options.max_memory`` the placement decides the devices.
+        device: where added parameters are allocated (the strategy's device).
         strict: the call's own strictness.
         init_added: initialize trainable parameters the checkpoint lacks (adapters); False: an error.
         unfilled: parameters that hold memory but no values yet (DTensor shards a strategy allocated):
@@ -69,7 +113,6 @@ def load_into(
         MetaTensorError: a parameter is in neither the checkpoint nor initializable.
     """
     strict = options.strict if options.strict is not None else strict
-    options = LoadOptions.merge(options, dtype=options.dtype or dtype, device=None if options.max_memory else device)
 
     def initialize_added(prepared: PreparedLoad) -> None:
         added = _added_parameters(module, prepared.plan, unfilled) if init_added else {}

@@ -15,7 +15,6 @@ final model plus one tensor in flight.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
@@ -35,12 +34,10 @@ from typing_extensions import override
 from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.lightning.load import load_into
+from lightning_lowmem.lightning.load import LightningLoader
 from lightning_lowmem.lightning.state import (
     module_to_device_skipping_meta,
     other_entries,
-    plugin_dtype,
-    remap_optimizer_params,
     restore_entries,
     weights_key,
 )
@@ -124,16 +121,24 @@ class LowMemStrategy(SingleDeviceStrategy):
         context: int | None = None,
         init_added: bool = True,
     ) -> None:
-        self.options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
-                                         strict=strict, key_map=key_map, progress=progress, transform=transform,
-                                         combine=combine, max_memory=max_memory, context=context)
-        device = device if device is not None else self.options.device
+        options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
+                                    strict=strict, key_map=key_map, progress=progress, transform=transform,
+                                    combine=combine, max_memory=max_memory, context=context)
+        device = device if device is not None else options.device
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
-        self.init_added = init_added
+        self.loader = LightningLoader(options, init_added=init_added)
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
-        self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
-        self.reports: list[LoadReport] = []
+
+    @property
+    def options(self) -> LoadOptions:
+        """The strategy's load options."""
+        return self.loader.options
+
+    @property
+    def reports(self) -> list[LoadReport]:
+        """Every load's :class:`~lightning_lowmem.LoadReport`, the latest last."""
+        return self.loader.reports
 
     @property
     def parallel_devices(self) -> list[torch.device] | None:
@@ -157,7 +162,7 @@ class LowMemStrategy(SingleDeviceStrategy):
     @property
     def load_dtype(self) -> torch.dtype | None:
         """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
-        return self.options.dtype or plugin_dtype(self.precision)
+        return self.loader.dtype(self.precision)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -190,7 +195,7 @@ class LowMemStrategy(SingleDeviceStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self._optimizers.add(optimizer)  # re-pointed at the loaded parameters by load_checkpoint
+        self.loader.track(optimizer)  # re-pointed at the loaded parameters by load_checkpoint
         return super().setup_optimizer(optimizer)
 
     @override
@@ -202,7 +207,7 @@ class LowMemStrategy(SingleDeviceStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         if isinstance(state, nn.Module):
-            self._stream(path, state, strict=strict, optimizers=list(self._optimizers))
+            self._stream(path, state, strict=strict)
             return {}
         if not state or isinstance(state, Optimizer):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
@@ -215,15 +220,12 @@ class LowMemStrategy(SingleDeviceStrategy):
             rest = other_entries(ckpt, state, weights_only)
             key = weights_key(ckpt, state)
             _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
-            optimizers = [*self._optimizers, *(v for v in state.values() if isinstance(v, Optimizer))]
             if key is not None:
-                self._stream(ckpt, state[key], strict=strict, optimizers=optimizers)
+                self._stream(ckpt, state[key], strict=strict,
+                             optimizers=[v for v in state.values() if isinstance(v, Optimizer)])
         return restore_entries(state, rest, key, strict)
 
     def _stream(self, path: str | Path | Checkpoint, module: nn.Module, strict: bool,
-                optimizers: list[Optimizer]) -> None:
-        before = dict(module.named_parameters(remove_duplicate=False))
-        report = load_into(module, path, self.options, device=self.root_device, dtype=self.load_dtype, strict=strict,
-                           init_added=self.init_added)
-        self.reports.append(report)
-        remap_optimizer_params(optimizers, before, dict(module.named_parameters(remove_duplicate=False)))
+                optimizers: list[Optimizer] = ()) -> None:
+        self.loader.load(module, path, device=self.root_device, precision=self.precision, strict=strict,
+                         optimizers=optimizers)

@@ -183,7 +183,7 @@ def make_plan(
         key_map, prefix_note = guess_prefix(set(by_name), list(view))
         if prefix_note:
             log.info("Checkpoint keys do not match the module's; %s", prefix_note)
-    source, unexpected = _match_keys(view, key_map, by_name)
+    source, unexpected = _match_keys(view, key_map, by_name, files)
     plan = LoadPlan([], prefix_note=prefix_note, files=files)
     bad_shapes: list[str] = []
     used: set[str] = set()
@@ -256,22 +256,39 @@ def module_records(module: nn.Module) -> dict[str, TensorRecord]:
 
 
 def _match_keys(records: Mapping[str, TensorRecord], key_map: KeyMap | None,
-                by_name: dict[str, int]) -> tuple[dict[int, TensorRecord], list[str]]:
+                by_name: dict[str, int], files: str = "the checkpoint") -> tuple[dict[int, TensorRecord], list[str]]:
     """Module tensor (by group id) -> the record that fills it, and the keys that fill none.
 
-    A key the key map sends to None is dropped on purpose: it is neither loaded nor unexpected.
+    A key the key map sends to None is dropped on purpose: it is neither loaded nor unexpected. Two keys of a
+    tied tensor under its two names load once; two keys for the same module name are two readings of one
+    tensor, and an error.
+
+    Raises:
+        CheckpointMismatchError: two checkpoint keys go to the same module name.
     """
     source: dict[int, TensorRecord] = {}
     unexpected: list[str] = []
+    seen: dict[str, str] = {}
+    collisions: list[str] = []
     for key, rec in records.items():
         name = apply_key_map(key, key_map)
         if name is None:
             continue
+        if name in seen:
+            collisions.append(f"{seen[name]!r} and {key!r} both go to {name!r}")
+            continue
+        seen[name] = key
         gid = by_name.get(name)
         if gid is None:
             unexpected.append(key)
         elif gid not in source:  # tied names saved twice: load once
             source[gid] = rec
+    if collisions:
+        raise CheckpointMismatchError(
+            f"{files} holds {len(collisions)} module tensors twice, under two keys each "
+            f"({format_names(collisions, quote=False, sep='; ')}): which copy to load would depend on the order of "
+            "the keys in the file. Nothing was read. Remove the stray copies from the checkpoint, or pass key_map= "
+            "(a callable returning None for the keys to drop) to say which keys to load.")
     return source, unexpected
 
 

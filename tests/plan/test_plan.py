@@ -56,3 +56,32 @@ def test_tied_weights_saved_twice_are_read_once(tmp_path, write_checkpoint):
     assert report.tensors == 1
     assert target.lm_head.weight is target.wte.weight
     assert torch.equal(target.wte.weight, emb.weight)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pth"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_key_held_bare_and_under_the_guessed_prefix_is_two_readings(tmp_path, write_checkpoint, kind, strict):
+    """``a.weight`` (X) beside ``model.a.weight`` and ``model.b.*`` (Y): which copy of ``a.weight`` would load
+    depended on the file's key order (safetensors sorts, a .pth keeps insertion order); it raises instead,
+    naming both keys, before anything is read."""
+    with init_empty():
+        module = nn.Sequential()
+        module.add_module("a", nn.Linear(4, 4, bias=False))
+        module.add_module("b", nn.Linear(4, 4, bias=False))
+    state = {"model.a.weight": torch.ones(4, 4), "a.weight": torch.zeros(4, 4), "model.b.weight": torch.ones(4, 4)}
+    path = write_checkpoint(state, kind, tmp_path)
+    with pytest.raises(CheckpointMismatchError, match=r"'(model\.)?a\.weight' and '(model\.)?a\.weight' both go to "
+                                                       r"'a\.weight'.*Nothing was read"):
+        load_checkpoint(module, path, strict=strict, progress=False)
+    assert all(p.is_meta for p in module.parameters())
+
+
+def test_tied_names_saved_twice_still_load_once(tmp_path, write_checkpoint):
+    """Two keys for the two names of one tied tensor are no collision."""
+    with init_empty():
+        module = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    module[1].weight = module[0].weight
+    weight = torch.randn(8, 4)
+    path = write_checkpoint({"0.weight": weight, "1.weight": weight.clone()}, "safetensors", tmp_path)
+    report = load_checkpoint(module, path, progress=False)
+    assert report.tensors == 1 and torch.equal(module[1].weight, weight) and module[1].weight is module[0].weight
