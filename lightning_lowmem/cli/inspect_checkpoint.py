@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.checkpoint).expanduser()
     found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False)
     model = build_meta_gpt(found.config) if found.config is not None else None
-    with resolved(found.weights, model, LoadOptions()) as source:
+    with resolved(found.chosen, model, LoadOptions()) as source:
         summary = summarize(path, source)
         if model is None:
             summary.config_note = f"{found.config_source} (pass --config NAME to check the fit)"

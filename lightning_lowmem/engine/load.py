@@ -28,6 +28,7 @@ from lightning_lowmem.dtypes import supports_bf16
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
+from lightning_lowmem.engine.weight_sets import Chosen
 from lightning_lowmem.engine.ranks import agreement, rank
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
@@ -61,6 +62,7 @@ def load_checkpoint(
     transform: Transform | None = None,
     combine: Combine | None = None,
     mmap: bool | None = None,
+    prefer: str | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -68,18 +70,21 @@ def load_checkpoint(
         module: any module; parameters may be on meta (see :func:`init_empty`), real, or mixed.
         checkpoint: a ``.safetensors`` file, a torch zip file (``.pt``/``.pth``/``.bin``/``.ckpt``:
             a Lightning ``state_dict`` or Fabric ``model`` entry is found by itself), a sharded
-            set's ``*.index.json``, a directory holding one of these (litgpt's ``lit_model.pth``
-            and HF's ``model.safetensors`` included), or a :class:`Checkpoint` already open.
+            set's ``*.index.json``, a ``.gguf`` file, a directory holding them (several weight sets in one
+            directory: see ``docs/loading.md``, "Which weights a path stands for"), or a
+            :class:`Checkpoint` already open. HF and GGUF names are converted to the module's when the
+            module is litgpt's ``GPT`` or a transformers model (the report's ``conversion`` says how).
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
         device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, context,
-            transform, combine, mmap: the fields of :class:`~lightning_lowmem.LoadOptions`.
+            transform, combine, mmap, prefer: the fields of :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
         A :class:`LoadReport`.
 
     Raises:
         CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
+        AmbiguousCheckpointError: a directory holds different weight sets (pass ``prefer=`` or the file).
         CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
         MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
         UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
@@ -99,11 +104,11 @@ def load_checkpoint(
     """
     options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
                                 strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
-                                context=context, transform=transform, combine=combine, mmap=mmap)
+                                context=context, transform=transform, combine=combine, mmap=mmap, prefer=prefer)
     return run_load(module, checkpoint, options)
 
 
-def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: LoadOptions, *,
+def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, options: LoadOptions, *,
              on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
     """The whole load under one memory monitor: open once, prepare from the headers, stream.
 

@@ -73,6 +73,7 @@ class MemoryEstimate:
     load_transient: int = 0
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None
+    source: str = ""
 
     @property
     def caches(self) -> int:
@@ -140,7 +141,7 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     requantized = {selection.chosen[name] for name in selection.requantized} if selection is not None else set()
     est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
-                         runtime=runtime, placement=prepared.placement)
+                         runtime=runtime, placement=prepared.placement, source=prepared.source.why)
     for target in prepared.plan.targets:
         _add_target(est, target, requantized=target.names[0] in requantized)
     est.load_transient += LOAD_RUNTIME

@@ -25,7 +25,8 @@ from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
-from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, make_plan, module_records
+from lightning_lowmem.meta import owner_of
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_key_map, guess_prefix, make_plan, module_records
 from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.quantize import Selection, select_linears
 from lightning_lowmem.quantize.stored import mark_stored
@@ -87,6 +88,7 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
     """
     if source.conversion is not None:
         source.conversion.apply_ties(module)
+    tie_as_saved(module, source)
     stored = source.stored
     plan = make_plan(module, source.records, key_map=source.key_map, dtype=options.dtype, device=options.device,
                      combine=source.combine, stored=stored.weights or None, files=source.description)
@@ -101,6 +103,24 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
         prepared.device = torch.device(prepared.placement.execution_device)
     return prepared
+
+
+def tie_as_saved(module: nn.Module, source: Source) -> None:
+    """Tie the module's tensors that a save wrote once for two names (``save_checkpoint`` of a model whose output
+    head is its embedding), where the module holds both as separate tensors of the same shape and the checkpoint
+    only the written one; names map as the plan maps them (the conversion's key map, else a guessed prefix)."""
+    ties = source.ties
+    if not ties:
+        return
+    params = dict(module.named_parameters(remove_duplicate=False))
+    key_map = source.key_map if source.key_map is not None else guess_prefix(set(params), list(source.records))[0]
+    for missing, written in ties.items():
+        name, same = apply_key_map(missing, key_map), apply_key_map(written, key_map)
+        if missing in source.records or name not in params or same not in params or params[name] is params[same]:
+            continue
+        if params[name].shape == params[same].shape:
+            owner, leaf = owner_of(module, name)
+            setattr(owner, leaf, params[same])
 
 
 def _place(module: nn.Module, plan: LoadPlan, options: LoadOptions, kv_cache_bytes: int | None = None,

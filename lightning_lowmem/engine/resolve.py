@@ -19,6 +19,7 @@ strategies and the Trainer callback all call :func:`resolved`; nothing else deci
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ from pathlib import Path
 from torch import nn
 
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.errors import CheckpointNotFoundError
-from lightning_lowmem.engine.weight_sets import choose_set
+from lightning_lowmem.engine.save import TIES_KEY
+from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
+from lightning_lowmem.engine.weight_sets import Chosen, choose_set
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.plan.conversions import Conversion, Transform, find_conversion
@@ -76,15 +78,36 @@ class Source:
     def paths(self) -> list[Path]:
         return self.checkpoint.paths if self.checkpoint is not None else []
 
+    @property
+    def ties(self) -> dict[str, str]:
+        """The tensors a save wrote once for two tied names: each name not written -> the key it was written under
+        (``save_checkpoint`` records them in the metadata; none for other files).
+
+        Raises:
+            CheckpointFormatError: the record is not a JSON object of names to names.
+        """
+        text = self.checkpoint.metadata.get(TIES_KEY) if self.checkpoint is not None else None
+        if text is None:
+            return {}
+        try:
+            ties = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise CheckpointFormatError(f"{self.description}: the metadata {TIES_KEY!r} is not JSON ({e}).") from e
+        if not isinstance(ties, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ties.items()):
+            raise CheckpointFormatError(f"{self.description}: the metadata {TIES_KEY!r} must map tensor names to "
+                                        f"tensor names; got {text[:200]!r}. Save the checkpoint again.")
+        return ties
+
 
 @contextlib.contextmanager
-def resolved(checkpoint: str | Path | Checkpoint, module: nn.Module | None,
+def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | None,
              options: LoadOptions) -> Iterator[Source]:
     """``checkpoint`` resolved for ``module`` under ``options``, open for the block (an open
     :class:`Checkpoint` passed in is left open).
 
     Args:
-        checkpoint: a file, an index, a directory, or an open :class:`Checkpoint`.
+        checkpoint: a file, an index, a directory, an open :class:`Checkpoint`, or weights a face already chose
+            (:class:`~lightning_lowmem.engine.weight_sets.Chosen`).
         module: the module the weights go to (its names decide between weight sets holding the same tensors,
             and which conversion applies); None: names are taken as they are.
         options: the load options: ``prefer`` picks among weight sets, ``quantize`` is checked against
@@ -97,6 +120,8 @@ def resolved(checkpoint: str | Path | Checkpoint, module: nn.Module | None,
     with contextlib.ExitStack() as stack:
         if isinstance(checkpoint, Checkpoint):
             ckpt, why = checkpoint, f"{checkpoint.description}: opened by the caller"
+        elif isinstance(checkpoint, Chosen):
+            ckpt, why = stack.enter_context(Checkpoint.open(checkpoint.path)), checkpoint.why
         else:
             path = Path(checkpoint).expanduser()
             if not path.exists():

@@ -14,6 +14,7 @@ with transformers' ``from_pretrained`` where transformers reads the scheme (a tr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from lightning_lowmem.quantize.stored import scheme_of
 
 SCHEME_KEY = "lightning_lowmem.quantize"
 """The metadata key naming the scheme(s) of a saved checkpoint's quantized weights."""
+TIES_KEY = "lightning_lowmem.ties"
+"""The metadata key of a save's tied tensors: JSON, each name not written -> the name it was written under."""
 
 
 @dataclass
@@ -45,12 +48,15 @@ class ModuleState:
         metadata: the text every file carries (``format``, the scheme, what the scheme's library needs).
         quantized: quantized module name -> (its scheme, the module).
         full_precision: the ``nn.Linear`` (and transformers ``Conv1D``) modules kept in full precision.
+        ties: each tied name not written -> the name its tensor is written under (in the metadata as
+            :data:`TIES_KEY`, so that a load ties them again).
     """
 
     tensors: list[TensorToWrite] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
     quantized: dict[str, tuple[QuantScheme, nn.Module]] = field(default_factory=dict)
     full_precision: list[str] = field(default_factory=list)
+    ties: dict[str, str] = field(default_factory=dict)
 
     def materialized(self) -> dict[str, torch.Tensor]:
         """Every tensor, made now (for a single torch file; a safetensors file is written one tensor at a time)."""
@@ -106,7 +112,7 @@ def module_state(module: nn.Module) -> ModuleState:
         MetaTensorError: tensors of ``module`` are still on meta.
     """
     module = fabric_unwrapped(module)  # its names, not the wrapper's
-    state, seen, on_meta = ModuleState(), set(), []
+    state, seen, on_meta = ModuleState(), {}, []
     cache = _Latest()
     for name, mod in module.named_modules():
         prefix = f"{name}." if name else ""
@@ -116,14 +122,15 @@ def module_state(module: nn.Module) -> ModuleState:
             for key, tensor in scheme.state_dict_of(mod).items():  # shapes now; the tensors again when written
                 state.tensors.append(TensorToWrite(prefix + key, tuple(tensor.shape), tensor.dtype,
                                                    cache.getter(mod, scheme, key)))
-            seen.update(id(t) for t in mod.parameters(recurse=False))
+            seen.update((id(t), f"{prefix}{leaf}") for leaf, t in mod.named_parameters(recurse=False))
             continue
         if as_linear(mod)[0] is not None:  # an nn.Linear (or transformers' Conv1D) kept in full precision
             state.full_precision.append(name)
         for leaf, tensor in _own_tensors(mod):
             if id(tensor) in seen:
-                continue  # tied: saved once, under its first name
-            seen.add(id(tensor))
+                state.ties[prefix + leaf] = seen[id(tensor)]  # tied: saved once, under its first name
+                continue
+            seen[id(tensor)] = prefix + leaf
             if tensor.is_meta:
                 on_meta.append(prefix + leaf)
             else:
@@ -150,6 +157,8 @@ def transformers_config(module: nn.Module, state: ModuleState) -> dict | None:
 
 def _metadata(state: ModuleState) -> dict[str, str]:
     metadata = {"format": "pt"}
+    if state.ties:
+        metadata[TIES_KEY] = json.dumps(state.ties)
     if state.quantized:
         metadata[SCHEME_KEY] = ",".join(sorted({scheme.name for scheme, _ in state.quantized.values()}))
         for cls in library_classes("file_metadata"):

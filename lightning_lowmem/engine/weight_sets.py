@@ -49,6 +49,16 @@ class Choice:
     why: str
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """A weight set a face chose before it could build its model (litgpt's config is found beside the weights):
+    the path, and why; :func:`~lightning_lowmem.engine.resolve.resolved` opens it as chosen, without choosing
+    again."""
+
+    path: Path
+    why: str
+
+
 def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: contextlib.ExitStack) -> Choice:
     """The checkpoint ``path`` stands for, opened on ``stack``, and why it was chosen.
 
@@ -70,8 +80,8 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
         if difference:
             raise AmbiguousCheckpointError(_ambiguous_message(path, views[0].set, other.set, difference))
     chosen = next((v for v in views if v.native), views[0])
-    reason = "the names the module takes as they are" if chosen.native and module is not None else \
-        "the first in the documented order"
+    by_names = module is not None and chosen.native and not all(v.native for v in views)
+    reason = "the names the module takes as they are" if by_names else "the first in the documented order"
     same = format_names((v.set.name for v in views if v is not chosen), quote=False)
     return Choice(chosen.ckpt, chosen.set.path, f"{chosen.set.path}: {reason}; {same} in {path} hold the same tensors")
 

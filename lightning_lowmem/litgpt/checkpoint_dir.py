@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
-from lightning_lowmem.engine.weight_sets import candidate_sets, choose_set
+from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
@@ -85,6 +85,11 @@ class LitgptCheckpoint:
             config, origin = _directory_config(directory, require_config)
         return cls(directory, weights, config, _tokenizer(directory), why=why, config_source=origin)
 
+    @property
+    def chosen(self) -> Chosen:
+        """The weights as the resolver chose them, for a load or a plan (not chosen again)."""
+        return Chosen(self.weights, self.why)
+
     @classmethod
     def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str) -> LitgptCheckpoint:
         """A GGUF file: the config (unless given) and the tokenizer from the file itself."""
@@ -138,7 +143,7 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
                       precision=precision_flag(options.dtype or torch.bfloat16))
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)
-    report = run_load(model, checkpoint.weights, LoadOptions.merge(options, device=device))
+    report = run_load(model, checkpoint.chosen, LoadOptions.merge(options, device=device))
     return fabric.setup_module(model).eval(), report
 
 

@@ -118,11 +118,11 @@ def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
         return model, records_source(records, options, f"the config {source.name!r}"), source.name
     found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False)
     if found.config is None:  # no model to build: a stand-in of the checkpoint's own tensors
-        resolved_source = stack.enter_context(resolved(found.weights, None, options))
+        resolved_source = stack.enter_context(resolved(found.chosen, None, options))
         model = stand_in_module(resolved_source.stored.logical_records(resolved_source.records))
         return model, resolved_source, str(source)
     model = build_meta_gpt(found.config)
-    return model, stack.enter_context(resolved(found.weights, model, options)), found.config.name
+    return model, stack.enter_context(resolved(found.chosen, model, options)), found.config.name
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

@@ -77,3 +77,28 @@ def test_a_copy_over_its_own_checkpoint_is_refused_before_any_read(chat_model_di
 def test_a_bad_shard_size_is_refused_before_any_read(tmp_path, chat_model_dir, read_recorder, capsys):
     assert main(["quantize", str(chat_model_dir), "--out", str(tmp_path / "x"), "--max_shard_size", "five"]) == 2
     assert "five" in capsys.readouterr().err and read_recorder.keys == []
+
+
+@pytest.mark.parametrize("scheme", [None, "bnb.nf4"])
+def test_a_copy_of_a_tied_model_reloads_in_every_face(tmp_path, write_gguf, capsys, scheme):
+    """A GGUF whose output head is its embedding: the copy writes the tensor once and records the tie, and
+    generate, inspect and load_checkpoint read it back tied (it failed: 'transformer.wte.weight' missing)."""
+    from lightning_lowmem import load_checkpoint
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
+
+    path = tmp_path / "tied.gguf"
+    write_gguf(path, "Q8_0", hidden=128, intermediate=256, tie=True, vocab=False, vocab_size=300)
+    out = tmp_path / "copy"
+    quantize = ["--quantize", scheme] if scheme else []
+    assert main(["quantize", str(path), *quantize, "--out", str(out), "--device", "cpu"]) == 0
+    flags = ["--prompt", "5 17 3", "--max_new_tokens", "4", "--top_k", "1", "--device", "cpu"]
+    capsys.readouterr()
+    assert main(["generate", str(path), *flags, *quantize]) == 0
+    expected = capsys.readouterr().out.split()[-4:]
+    assert main(["generate", str(out), *flags]) == 0
+    assert capsys.readouterr().out.split()[-4:] == expected
+    assert main(["inspect", str(out)]) == 0, capsys.readouterr().err
+    assert "matches" in capsys.readouterr().out
+    model = build_meta_gpt(LitgptCheckpoint.find(out).config)
+    load_checkpoint(model, out, progress=False)
+    assert model.lm_head.weight is model.transformer.wte.weight

@@ -188,8 +188,9 @@ def test_prequantized_checkpoints_are_counted_at_their_stored_bytes(tmp_path, ti
 
 def test_a_directory_of_two_weight_sets_is_estimated_from_the_one_generate_loads(tmp_path, tiny_config,
                                                                                   write_litgpt_dir):
-    """Beside a safetensors copy of the same tensors, ``lit_model.pth`` (litgpt's own names) is read; beside a copy
-    that differs (another dtype), the estimate raises as generate does, and ``prefer=`` picks."""
+    """Beside a safetensors copy of the same tensors under the same names, the first in the documented order is read
+    (either would do); beside a copy that differs (another dtype), the estimate raises as generate does, and
+    ``prefer=`` picks."""
     import safetensors.torch
 
     from lightning_lowmem import AmbiguousCheckpointError, LoadOptions
@@ -199,9 +200,11 @@ def test_a_directory_of_two_weight_sets_is_estimated_from_the_one_generate_loads
     safetensors.torch.save_file(state, directory / "model.safetensors")
     config = tiny_config()
     by_dir = estimate_memory(directory, config=config, max_seq_length=16).to_dict()
-    assert by_dir == estimate_memory(directory / "lit_model.pth", config=config, max_seq_length=16).to_dict()
+    assert by_dir.pop("source").startswith(f"{directory / 'model.safetensors'}: the first in the documented order")
+    by_file = estimate_memory(directory / "lit_model.pth", config=config, max_seq_length=16).to_dict()
+    assert by_file.pop("source") == f"{directory / 'lit_model.pth'}: the file given" and by_dir == by_file
     safetensors.torch.save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, directory / "model.safetensors")
     with pytest.raises(AmbiguousCheckpointError, match=r"model.safetensors and lit_model.pth.*--weights"):
         estimate_memory(directory, config=config, max_seq_length=16)
     picked = estimate_memory(directory, config=config, max_seq_length=16, options=LoadOptions(prefer="lit_model.pth"))
-    assert picked.to_dict() == by_dir
+    assert {k: v for k, v in picked.to_dict().items() if k != "source"} == by_dir

@@ -21,6 +21,24 @@ CASES = {  # id: (family, tied embeddings, save_pretrained's max_shard_size)
 }
 
 
+
+@pytest.mark.parametrize("case", ["llama-gqa-tied-sharded", "phi-3-fused-in-the-file"])
+def test_load_checkpoint_converts_an_hf_directory_into_gpt(tmp_path, write_hf_dir, litgpt_converted, meta_gpt, case):
+    """One call, no key map: the resolver picks litgpt's own conversion because the module is a GPT and the names
+    are HF's; the tensors equal litgpt's convert_hf_checkpoint."""
+    from lightning_lowmem import load_checkpoint
+
+    family, tie, shards = CASES[case]
+    directory = tmp_path / "hf"
+    _, config = write_hf_dir(directory, family, tie=tie, max_shard_size=shards, tokenizer=False)
+    reference = torch.load(litgpt_converted(directory, config, tmp_path / "converted") / "lit_model.pth")
+    model = meta_gpt(config)
+    report = load_checkpoint(model, directory, dtype=torch.float32, progress=False)
+    assert report.conversion.startswith("HF -> litgpt (copy_weights_")
+    assert model.state_dict().keys() == reference.keys()
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in reference.items())
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_streamed_equals_litgpts_conversion(tmp_path, write_hf_dir, litgpt_converted, read_recorder, case):
     from litgpt import GPT
