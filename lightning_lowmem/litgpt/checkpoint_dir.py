@@ -127,8 +127,8 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
 
     Args:
         checkpoint: what :meth:`LitgptCheckpoint.find` found.
-        options: the load options, dtype and device decided (:func:`~lightning_lowmem.dtypes.load_dtype`);
-            a tensor the checkpoint lacks is an error, never a randomly initialized "adapter".
+        options: the load options, dtype and device decided (``generation.generation_options``); a tensor the
+            checkpoint lacks is an error, never a randomly initialized "adapter".
 
     Returns:
         ``(model, report)``: the model set up by Fabric for its precision (``fabric.setup_module``), in eval mode,
@@ -138,12 +138,13 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
 
     from lightning_lowmem.lightning.strategy import LowMemStrategy
 
-    device = options.device or torch.device("cpu")
-    fabric = L.Fabric(accelerator=device.type, devices=1, strategy=LowMemStrategy(device=device),
-                      precision=precision_flag(options.dtype or torch.bfloat16))
+    if options.device is None or options.dtype is None:
+        raise ValueError("load_litgpt needs the device and dtype decided (generation_options decides them).")
+    fabric = L.Fabric(accelerator=options.device.type, devices=1, strategy=LowMemStrategy(device=options.device),
+                      precision=precision_flag(options.dtype))
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)
-    report = run_load(model, checkpoint.chosen, LoadOptions.merge(options, device=device))
+    report = run_load(model, checkpoint.chosen, options)
     return fabric.setup_module(model).eval(), report
 
 

@@ -82,9 +82,9 @@ def estimate_memory(
         >>> estimate_memory("pythia-1b", quantize="bnb.nf4", max_seq_length=114).weights == est.weights
         True
     """
+    dtype = load_dtype(dtype or (options.dtype if options is not None else None), None, torch.bfloat16)
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
-    options = LoadOptions.merge(options, dtype=load_dtype(options.dtype, None, torch.bfloat16))
     with contextlib.ExitStack() as stack:
         model, source, name = _model_and_source(source, config, options, stack)
         is_litgpt = hasattr(model, "config")

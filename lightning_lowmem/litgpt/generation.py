@@ -95,9 +95,10 @@ class GenerateResult:
 def generation_options(options: LoadOptions | None, precision: str | None, **overrides: Any) -> LoadOptions:
     """The load options of a generation, built once: ``options`` with the keyword arguments put in, and the dtype
     decided by :func:`~lightning_lowmem.dtypes.load_dtype` (``options.dtype``, else ``precision``, litgpt's
-    ``--precision``, else bf16)."""
-    options = LoadOptions.merge(options, **overrides)
-    return LoadOptions.merge(options, dtype=load_dtype(options.dtype, precision, torch.bfloat16))
+    ``--precision``, else bf16), and the device (``device``, else ``options.device``, else the CPU)."""
+    given = options.dtype if options is not None else None
+    device = overrides.pop("device", None) or (options.device if options is not None else None) or "cpu"
+    return LoadOptions.merge(options, **overrides, device=device, dtype=load_dtype(given, precision, torch.bfloat16))
 
 
 def load_for_generation(
