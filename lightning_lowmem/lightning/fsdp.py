@@ -36,7 +36,7 @@ from lightning_lowmem.engine import LoadOptions, LoadReport, allocate_shards, qu
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
-from lightning_lowmem.lightning.load import LightningLoader
+from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import shard_model
 from lightning_lowmem.plan import Combine, KeyMap
@@ -46,7 +46,7 @@ _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path
                 "fresh run without a checkpoint, build it with fabric.init_module(empty_init=False).")
 
 
-class LowMemFSDPStrategy(ModelParallelStrategy):
+class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
     """Fabric on many ranks (FSDP2, Lightning's ``ModelParallelStrategy``) where each rank reads only its shard.
 
     * ``fabric.init_module()`` builds parameters on the meta device, buffers real (RoPE tables keep their
@@ -106,21 +106,6 @@ class LowMemFSDPStrategy(ModelParallelStrategy):
                              "supported with it. Leave max_memory unset, or use strategy='lowmem' on one device.")
         self._default_layout = parallelize_fn is None
         self.loader = LightningLoader(options, init_added=init_added)
-
-    @property
-    def options(self) -> LoadOptions:
-        """The strategy's load options."""
-        return self.loader.options
-
-    @property
-    def reports(self) -> list[LoadReport]:
-        """Every load's :class:`~lightning_lowmem.LoadReport` on this rank, the latest last."""
-        return self.loader.reports
-
-    @property
-    def load_dtype(self) -> torch.dtype | None:
-        """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
-        return self.loader.dtype(self.precision)
 
     @override
     def setup_environment(self) -> None:

@@ -82,6 +82,28 @@ class LightningLoader:
         return report
 
 
+class LoaderOwner:
+    """What a Lightning strategy holding a :class:`LightningLoader` (as ``self.loader``) shows of it."""
+
+    loader: LightningLoader
+    precision: object
+
+    @property
+    def options(self) -> LoadOptions:
+        """The strategy's load options."""
+        return self.loader.options
+
+    @property
+    def reports(self) -> list[LoadReport]:
+        """Every load's :class:`~lightning_lowmem.LoadReport` (on this rank), the latest last."""
+        return self.loader.reports
+
+    @property
+    def load_dtype(self) -> torch.dtype | None:
+        """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
+        return self.loader.dtype(self.precision)
+
+
 def load_into(
     module: nn.Module,
     checkpoint: str | Path | Checkpoint,

@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.lightning.load import LightningLoader
+from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
 from lightning_lowmem.lightning.state import (
     module_to_device_skipping_meta,
     other_entries,
@@ -52,7 +52,7 @@ _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path
                 "strategy='lowmem' builds parameters on the meta device by default.")
 
 
-class LowMemStrategy(SingleDeviceStrategy):
+class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
     """Fabric on one device, with models built on meta and checkpoints streamed (and quantized) in.
 
     * ``fabric.init_module()`` (and ``empty_init=True``) builds parameters on the meta device; buffers computed
@@ -131,16 +131,6 @@ class LowMemStrategy(SingleDeviceStrategy):
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
 
     @property
-    def options(self) -> LoadOptions:
-        """The strategy's load options."""
-        return self.loader.options
-
-    @property
-    def reports(self) -> list[LoadReport]:
-        """Every load's :class:`~lightning_lowmem.LoadReport`, the latest last."""
-        return self.loader.reports
-
-    @property
     def parallel_devices(self) -> list[torch.device] | None:
         """The device list Fabric's connector fills in when the strategy comes from the registry."""
         return self._parallel_devices
@@ -158,11 +148,6 @@ class LowMemStrategy(SingleDeviceStrategy):
     @override
     def root_device(self) -> torch.device:
         return self._parallel_devices[0] if self._parallel_devices else self._root_device
-
-    @property
-    def load_dtype(self) -> torch.dtype | None:
-        """The dtype weights are cast to: the ``dtype`` option, else the precision plugin's."""
-        return self.loader.dtype(self.precision)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -20,16 +20,13 @@ from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt
 from lightning_lowmem.litgpt.rope import is_litgpt_like
-from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, under
+from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, submodule_of, under
 from lightning_lowmem.plan.keys import names_fit
 
 
 def _gpt_in(module: nn.Module) -> tuple[str, nn.Module] | None:
     """``(prefix, gpt)``: the first litgpt ``GPT`` in ``module`` and the prefix of its names, or None."""
-    for name, sub in module.named_modules():
-        if is_litgpt_like(sub) and hasattr(sub, "config"):
-            return (f"{name}." if name else ""), sub
-    return None
+    return submodule_of(module, lambda sub: is_litgpt_like(sub) and hasattr(sub, "config"))
 
 
 class HFToLitgpt(Converter):

@@ -85,6 +85,15 @@ def under(conversion: Conversion, prefix: str) -> Conversion:
         tie=None if tie is None else (lambda module: tie(module.get_submodule(prefix[:-1]))))
 
 
+def submodule_of(module: nn.Module, matches: Callable[[nn.Module], bool]) -> tuple[str, nn.Module] | None:
+    """``(prefix, submodule)``: the first module in ``module`` (itself included) that ``matches``, and the prefix of
+    its names in ``module`` (``""`` or ``"model."``); None when there is none."""
+    for name, sub in module.named_modules():
+        if matches(sub):
+            return (f"{name}." if name else ""), sub
+    return None
+
+
 class Converter:
     """One pair of naming conventions: a kind of module and a kind of checkpoint. Subclasses override
     :meth:`convert`; :attr:`name` says what they convert."""

@@ -14,17 +14,14 @@ from typing import Any
 from torch import nn
 
 from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, under
+from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, submodule_of, under
 from lightning_lowmem.plan.gguf import gguf_to_transformers
 from lightning_lowmem.transformers.architecture import is_pretrained_model
 
 
 def pretrained_in(module: nn.Module) -> tuple[str, nn.Module] | None:
     """``(prefix, model)``: the outermost transformers ``PreTrainedModel`` in ``module`` and its names' prefix."""
-    for name, sub in module.named_modules():
-        if is_pretrained_model(sub):
-            return (f"{name}." if name else ""), sub
-    return None
+    return submodule_of(module, is_pretrained_model)
 
 
 class GGUFToTransformers(Converter):
