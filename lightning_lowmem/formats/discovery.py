@@ -21,6 +21,8 @@ ZIP_MAGIC = b"PK\x03\x04"
 GGUF_MAGIC = b"GGUF"
 HEAD_BYTES = 9
 """Bytes of a file's start that tell its format apart (:func:`kind_of`)."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")
+"""The suffixes of the files a directory's weights are found in (besides ``*.index.json``)."""
 
 # Directory entries in order of preference: safetensors before pickle-based files.
 _DIRECTORY_CANDIDATES = (
@@ -96,7 +98,7 @@ def _pick_in_directory(directory: Path) -> Path:
             found = [p for p in found if ".index" not in p.name]
         if len(found) == 1:
             others = [p.name for p in directory.iterdir() if p.is_file() and p != found[0]
-                      and p.suffix in (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")]
+                      and p.suffix in WEIGHT_SUFFIXES]
             if others:
                 log.info("Checkpoint directory %s: using %s (also present: %s)", directory, found[0].name,
                          format_names(others))
