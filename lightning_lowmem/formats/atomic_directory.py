@@ -102,10 +102,11 @@ def switch_directory(target: str | Path, *, sizes: Sequence[int] = (),
             step("sealed")
             old, switched = _switch(staging, target), True
     except BaseException as e:
+        file = _file_in(e, staging, target) if isinstance(e, OSError) and not switched else None
         if not switched:
             _remove(staging)
         if isinstance(e, OSError) and not isinstance(e, SaveError):
-            raise failed(e, target, needed) from e
+            raise failed(e, target, needed, file) from e
         raise
     _after_switch(target, old)
 
@@ -157,9 +158,10 @@ def check_switchable(target: Path, sizes: Sequence[int] = ()) -> int:
     return needed
 
 
-def failed(error: OSError, target: Path, needed: int) -> SaveError:
-    """The :class:`~lightning_lowmem.SaveError` of a save into ``target`` that ``error`` stopped."""
-    file = error.filename or target
+def failed(error: OSError, target: Path, needed: int, file: str | Path | None = None) -> SaveError:
+    """The :class:`~lightning_lowmem.SaveError` of a save into ``target`` that ``error`` stopped while writing
+    ``file`` (default: the file the error names, else ``target``)."""
+    file = file or error.filename or target
     try:
         free: int | None = free_bytes(target.parent)
     except OSError:
@@ -183,6 +185,18 @@ def tidy(target: str | Path) -> None:
     if target.parent.is_dir():
         _recover(target)
         remove_leftovers(target.parent, target.name)
+
+
+def _file_in(error: OSError, staging: Path, target: Path) -> Path | None:
+    """The file of ``target`` being written when ``error`` stopped the save: the one the error names, else the
+    newest in ``staging`` (files are written one after another), under the name it would have had in ``target``."""
+    named = Path(error.filename) if isinstance(error.filename, (str, Path)) and error.filename else None
+    if named is None:
+        with contextlib.suppress(OSError, ValueError):
+            named = max((p for p in staging.rglob("*") if p.is_file()), key=lambda p: p.stat().st_mtime_ns)
+    if named is None or staging not in named.parents:
+        return named
+    return target / named.relative_to(staging)
 
 
 def _recover(target: Path) -> None:
