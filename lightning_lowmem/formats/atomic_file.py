@@ -120,7 +120,7 @@ def replace_file(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
     Raises:
         ValueError: ``path`` is a directory.
         SaveError: the write failed (no space, no permission; it names the file and the bytes free); ``path`` is
-            as it was and no temporary file is left. An error ``write`` raises passes as it is.
+            as it was and no temporary file is left. Any other error of ``write`` passes as it is.
     """
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
