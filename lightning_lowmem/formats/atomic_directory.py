@@ -167,9 +167,10 @@ def failed(error: OSError, target: Path, needed: int, file: str | Path | None = 
     except OSError:
         free = None
     if error.errno in _NO_SPACE:
-        advice = (f"The save needs {format_bytes(needed)} ({needed} bytes) in all on that file system; "
-                  f"{'an unknown amount' if free is None else format_bytes(free)} is free now. Free some space, "
-                  "or save elsewhere.")
+        needs = (f"The save needs {format_bytes(needed)} ({needed} bytes) in all on that file system; " if needed
+                 else "On that file system ")
+        advice = (f"{needs}{'an unknown amount' if free is None else format_bytes(free)} is free now. Free some "
+                  "space, or save elsewhere.")
     elif error.errno in _NO_PERMISSION:
         advice = "Make it writable for this user, or save elsewhere."
     else:
@@ -276,7 +277,11 @@ def _switch(staging: Path, target: Path) -> Path | None:
     old = target.parent / temporary_name(target.name, old=True)
     os.rename(target, old)
     step("moved the old directory aside")
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        os.rename(old, target)  # put the old one back at once rather than leave the name missing
+        raise
     return old
 
 
