@@ -60,6 +60,41 @@ class MetaTensorError(CheckpointMismatchError):
     """Parameters or buffers were left on the meta device after a load."""
 
 
+class SaveError(LowMemError, OSError):
+    """A save could not be made: no space, no permission, a directory that cannot be switched whole. The target
+    holds what it held before (the old checkpoint whole, or nothing).
+
+    It is an ``OSError`` too; ``errno`` is the system's error when one caused it (``errno.ENOSPC``), else None.
+
+    Attributes:
+        path: the file or directory the save was writing, or could not write.
+        needed: bytes the save needed on that file system (None when not known).
+        available: bytes free there when it failed (None when not known).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, needed: int | None = None,
+                 available: int | None = None, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.needed = needed
+        self.available = available
+        self.errno = errno  # strerror stays None, so str() is the message
+
+
+class ForeignWeightsError(SaveError):
+    """A save's directory holds weight files lightning_lowmem did not write (``lit_model.pth``, ``pytorch_model.bin``,
+    another ``*.safetensors``, a ``.gguf``): refused before anything is written, so that the directory never holds
+    two weight sets; ``overwrite=True`` removes them once the new save is in place.
+
+    Attributes:
+        files: the names of those files.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, files: list[str] | None = None) -> None:
+        super().__init__(message, path=path)
+        self.files = list(files or [])
+
+
 def format_names(names: Iterable[str], limit: int = 10, *, quote: bool = True, sep: str = ", ") -> str:
     """``'a', 'b' ... and N more``: at most ``limit`` names, in the given order.
 

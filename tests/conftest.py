@@ -297,6 +297,88 @@ def read_recorder(monkeypatch) -> ReadRecorder:
     return recorder
 
 
+# ---------------------------------------------------------------- saves interrupted: killed, a full disk
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """``mount_tmpfs(size="1m", readonly=False) -> Path``: a tmpfs of ``size`` mounted for this test (a small disk
+    to fill, or a read-only one) and unmounted after it; skips the test when not root or when mounting fails."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m", readonly: bool = False) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        options = f"size={size},mode=0755" + (",ro" if readonly else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)  # still busy: detach it
+
+
+@pytest.fixture
+def fill_disk():
+    """``fill_disk(directory) -> Path``: a file in ``directory`` written until its file system is full; returns it
+    (remove it to free the space)."""
+    def fill(directory: Path) -> Path:
+        filler = directory / "filler"
+        with open(filler, "ab", buffering=0) as f:
+            for size in (2**20, 2**12, 1):
+                with contextlib.suppress(OSError):
+                    while f.write(b"\0" * size):
+                        pass
+        return filler
+
+    return fill
+
+
+@pytest.fixture
+def killed_at():
+    """``killed_at(n, save) -> bool``: ``save()`` run in a forked child that SIGKILLs itself at the ``n``-th boundary
+    of a save (each call of ``lightning_lowmem.formats.atomic_file.step``, 0 first); True when it was killed there,
+    False when the save ended first. A child that hangs is killed after 120 s and the test fails."""
+    import signal
+    import time
+
+    def run(n: int, save) -> bool:
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest teardown, no exit handlers, whatever happens
+            code = 0
+            try:
+                from lightning_lowmem.formats import atomic_file
+
+                steps = iter(range(10**9))
+                atomic_file._on_step = lambda label: os.kill(os.getpid(), signal.SIGKILL) if next(steps) == n else None
+                save()
+            except BaseException:  # noqa: BLE001
+                code = 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 120
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"a save killed at step {n} did not end in 120 s")
+            time.sleep(0.005)
+        status = done[1]
+        if os.WIFSIGNALED(status):
+            assert os.WTERMSIG(status) == signal.SIGKILL
+            return True
+        assert os.WEXITSTATUS(status) == 0, f"the save killed at step {n} raised in the child"
+        return False
+
+    return run
+
+
 # ---------------------------------------------------------------- litgpt and HF checkpoint directories
 
 def _write_tokenizer(directory: Path, vocab_size: int) -> None:

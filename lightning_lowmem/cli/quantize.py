@@ -4,15 +4,22 @@ The checkpoint is found and streamed in exactly as ``generate`` loads it (litgpt
 GGUF; quantized on load), then written by :func:`~lightning_lowmem.save_checkpoint`: one
 tensor at a time, in litgpt's names, with ``model_config.yaml``. The tokenizer and prompt
 files beside the checkpoint are copied, so ``generate`` and ``chat`` take the copy as
-they took the original, without ``--quantize``.
+they took the original, without ``--quantize``. The whole of ``--out`` is switched in at
+once: a kill or a full disk leaves the old directory or the new one.
+
+``--out`` is checked before any weight is read: not a file, writable, no weight files
+there that this library did not write (unless ``--overwrite``), and free space for the
+bytes the load plan says the model will take.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 import sys
 from pathlib import Path
+
+from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
 from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand, config_argument, default_device
@@ -41,7 +48,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG)
     add_checkpoint(parser, "the checkpoint directory or file")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR",
-                        help="the directory to write (made if missing)")
+                        help="the directory to write (made if missing; replaced whole, other files in it kept)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="remove weight files in --out that lightning-lowmem did not write (lit_model.pth, "
+                             "pytorch_model.bin, *.safetensors, *.gguf); without it they stop the command before "
+                             "any weight is read")
     parser.add_argument("--quantize", default=None, metavar="SCHEME", help=f"one of {', '.join(SCHEMES)}")
     parser.add_argument("--skip_quantize", default=None, metavar="NAMES",
                         help="comma-separated module names or patterns kept in full precision (default: lm_head)")
@@ -56,8 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load (quantizing), save, copy the tokenizer files; what was done to stderr, the files written to stdout."""
+    """Check --out, load (quantizing), save with the tokenizer files; what was done to stderr, the files to stdout."""
     from lightning_lowmem.engine import LoadOptions, save_checkpoint
+    from lightning_lowmem.formats.save_target import check_save_target
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import load_for_generation
     from lightning_lowmem.memory import format_bytes, parse_bytes
@@ -66,18 +78,31 @@ def run(args: argparse.Namespace) -> int:
     out = args.out.expanduser()
     if out.resolve() == found.directory.resolve():
         args.parser.error(f"--out {str(args.out)!r} is the checkpoint's own directory: write the copy elsewhere")
+    if os.path.lexists(out) and not out.is_dir():
+        args.parser.error(f"--out {str(args.out)!r} is a file: give a directory to write the copy into")
     parse_bytes(args.max_shard_size)  # a bad size fails before the load, not after it
     skip = tuple(args.skip_quantize.split(",")) if args.skip_quantize else None
-    model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip, prefer=args.weights), quantize=args.quantize,
+    check_save_target(out, sizes=[_model_bytes(found, args, skip)], overwrite=args.overwrite)  # before any read
+    model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip, prefer=args.weights),
+                                           quantize=args.quantize,
                                            precision=args.precision, device=default_device(args.device))
     print(report, file=sys.stderr)
-    files = save_checkpoint(model, out, max_shard_size=args.max_shard_size)
-    copied = [name for name in COPIED if (found.directory / name).is_file()]
-    for name in copied:
-        shutil.copyfile(found.directory / name, out / name)
-    for path in [*files, out / "model_config.yaml", *(out / name for name in copied)]:
+    copied = [found.directory / name for name in COPIED if (found.directory / name).is_file()]
+    files = save_checkpoint(model, out, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                            copy_files=copied)
+    for path in [*files, out / "model_config.yaml", *(out / source.name for source in copied)]:
         print(f"{path}  {format_bytes(path.stat().st_size)}")
     if found.gguf is not None and found.tokenizer is not None:
         print("The GGUF file's vocabulary is not written: give generate the token ids, or put the model's "
               "tokenizer.json beside the copy.", file=sys.stderr)
     return EXIT_OK
+
+
+def _model_bytes(found: Any, args: argparse.Namespace, skip: tuple[str, ...] | None) -> int:
+    """The bytes of the model the load will make, from the load plan (headers only): what the copy will take."""
+    from lightning_lowmem.dtypes import precision_dtype
+    from lightning_lowmem.litgpt.estimate_memory import estimate_memory
+
+    est = estimate_memory(found.weights, quantize=args.quantize, skip_quantize=skip, config=found.config,
+                          dtype=precision_dtype(args.precision or "bf16-true"))
+    return est.weights

@@ -10,12 +10,16 @@
 The files load back with :func:`~lightning_lowmem.load_checkpoint` as they are, nothing quantized again, and
 with transformers' ``from_pretrained`` where transformers reads the scheme (a transformers model also gets its
 ``config.json``, with the ``quantization_config`` transformers needs).
+
+The directory is replaced as a whole (:mod:`~lightning_lowmem.formats.save_target`): everything is written
+into a new directory beside it, then switched in with one rename, so that a kill or a full disk at any moment
+leaves the complete old checkpoint or the complete new one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +28,16 @@ from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.errors import MetaTensorError, format_names
-from lightning_lowmem.formats.safetensors_writer import TensorToWrite, write_sharded
+from lightning_lowmem.formats.atomic_file import copy_new
+from lightning_lowmem.formats.safetensors_writer import (  # SCHEME_KEY: still importable from here
+    SCHEME_KEY,
+    WRITER,
+    WRITER_KEY,
+    TensorToWrite,
+    plan_sharded,
+    write_sharded,
+)
+from lightning_lowmem.formats.save_target import checkpoint_directory, is_weight_file
 from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import architecture_of
@@ -33,10 +46,9 @@ from lightning_lowmem.quantize.schemes import library_classes
 from lightning_lowmem.quantize.selection import as_linear
 from lightning_lowmem.quantize.stored import scheme_of
 
-SCHEME_KEY = "lightning_lowmem.quantize"
-"""The metadata key naming the scheme(s) of a saved checkpoint's quantized weights."""
 TIES_KEY = "lightning_lowmem.ties"
 """The metadata key of a save's tied tensors: JSON, each name not written -> the name it was written under."""
+
 
 
 @dataclass
@@ -63,29 +75,46 @@ class ModuleState:
         return {t.key: t.get() for t in self.tensors}
 
 
-def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB") -> list[Path]:
+def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int | str = "5GB", overwrite: bool = False,
+                    copy_files: Sequence[str | Path] = ()) -> list[Path]:
     """Write what ``module`` holds, quantized or not, into the directory ``path`` as safetensors.
 
     Quantized layers are written as their library stores them, in the layout transformers saves for the same
     library (bitsandbytes: packed weight, ``absmax``, ``quant_map``, the quant state's JSON; torchao: the
     inner tensors and the metadata of torchao's safetensors flattening). One tensor is made and written at a
-    time: the peak is the model plus about one tensor. Every file's metadata has ``format: pt`` and, for a
-    quantized model, ``lightning_lowmem.quantize`` (the scheme). A transformers model also gets its
-    ``config.json`` (with its ``quantization_config``), a litgpt ``GPT`` its ``model_config.yaml``.
+    time: the peak is the model plus about one tensor. Every file's metadata has ``format: pt``,
+    ``lightning_lowmem.writer`` and, for a quantized model, ``lightning_lowmem.quantize`` (the scheme). A
+    transformers model also gets its ``config.json`` (with its ``quantization_config``), a litgpt ``GPT`` its
+    ``model_config.yaml``.
+
+    The directory is replaced as a whole: the new files are written into a new directory beside it (each
+    created fresh, never through a link, and fsynced), what the old directory holds beyond them is carried
+    over (a README, tokenizer files, links), and the new directory is switched in with one atomic rename.
+    Whatever the moment of a kill or a full disk, ``path`` holds the complete old checkpoint or the complete
+    new one. The old save's files that the new one does not have (``model.safetensors`` after a sharded save,
+    shards after a single file) go with the old directory.
 
     Args:
         module: the module to save (or what ``fabric.setup`` made of it); nothing of it may be on the meta
             device.
-        path: a directory (made if missing). Files of an earlier save there under the names this one uses
-            (``model.safetensors``, ``model-0000i-of-0000n.safetensors``, the index) are replaced or removed.
+        path: a directory (made if missing; a link to a directory writes the directory it names).
         max_shard_size: bytes per file (an int, or ``"5GB"``, ``"500MiB"``); past it the tensors are split
             over several files named as ``save_pretrained`` names them, with ``model.safetensors.index.json``.
+        overwrite: remove weight files in ``path`` that lightning_lowmem did not write (``lit_model.pth``,
+            ``pytorch_model.bin``, other ``*.safetensors``, ``*.gguf``) when the new save is switched in.
+            Without it they make the save fail before anything is written.
+        copy_files: files copied into the directory with the weights, in the same switch (a tokenizer, a
+            prompt style): read through any link, written as new files under their own names.
 
     Returns:
         The files written (the index last, when there is one).
 
     Raises:
         MetaTensorError: tensors of ``module`` are still on meta.
+        ForeignWeightsError: ``path`` holds weight files this library did not write and ``overwrite`` is False.
+        SaveError: ``path`` cannot be written (not writable, a mount point), the file system has too little
+            free space (checked before anything is written), or a write failed; the message names the file,
+            the bytes needed and free, and ``path`` holds what it held before.
 
     Example::
 
@@ -94,15 +123,32 @@ def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int 
         >>> [p.name for p in save_checkpoint(nn.Linear(4, 2), directory)]
         ['model.safetensors']
     """
-    directory = Path(path)
-    if directory.suffix in (".safetensors", ".json") or directory.is_file():
+    directory = Path(path).expanduser()
+    if directory.suffix in (".safetensors", ".json"):
         raise ValueError(f"save_checkpoint writes a directory (as save_pretrained does); {str(path)!r} names a "
                          "file. Pass the directory to write model.safetensors into.")
+    copies = _copies(copy_files)
     module = fabric_unwrapped(module)
     state = module_state(module)
-    written = write_sharded(directory, state.tensors, state.metadata, parse_bytes(max_shard_size))
-    architecture_of(module).save_config(module, directory, transformers_config(module, state))
-    return written
+    plan = plan_sharded(state.tensors, state.metadata, parse_bytes(max_shard_size))
+    sizes = [*plan.sizes, *(source.stat().st_size for source in copies)]
+    with checkpoint_directory(directory, sizes=sizes, overwrite=overwrite) as new:
+        written = write_sharded(new, plan)
+        architecture_of(module).save_config(module, new, transformers_config(module, state))
+        for source in copies:
+            copy_new(source, new / source.name)
+    return [directory / p.name for p in written]
+
+
+def _copies(copy_files: Sequence[str | Path]) -> list[Path]:
+    """The files to copy beside the weights, checked: each a file, none of them weights, no name twice."""
+    copies = [Path(p).expanduser() for p in copy_files]
+    names = [p.name for p in copies]
+    bad = [str(p) for p in copies if not p.is_file() or is_weight_file(p)]
+    if bad or len(set(names)) < len(names):
+        raise ValueError(f"copy_files takes files to put beside the weights (a tokenizer, a config), each once and "
+                         f"none of them weights; got {format_names(bad or names)}.")
+    return copies
 
 
 def module_state(module: nn.Module) -> ModuleState:
@@ -156,7 +202,7 @@ def transformers_config(module: nn.Module, state: ModuleState) -> dict | None:
 
 
 def _metadata(state: ModuleState) -> dict[str, str]:
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", WRITER_KEY: WRITER}
     if state.ties:
         metadata[TIES_KEY] = json.dumps(state.ties)
     if state.quantized:

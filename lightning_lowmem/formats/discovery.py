@@ -87,10 +87,11 @@ WEIGHT_ORDER = (
 """The weight files a directory may hold, in the documented order (``docs/loading.md``, "Which file a path
 stands for"): a set of several weight sets that hold the same tensors is read from the first."""
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt", ".ckpt", ".gguf")
+"""The suffixes of the files a directory's weights are found in (besides ``*.index.json``)."""
+
 NOT_WEIGHTS = ("optimizer.pt", "optimizer.bin", "scheduler.pt", "scheduler.bin", "training_args.bin", "rng_state*.pth")
 """Files of a training run's checkpoint directory (transformers' ``Trainer``) that hold no model weights."""
-
-_WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".gguf")
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,7 @@ def weight_sets(directory: Path) -> list[WeightSet]:
         CheckpointNotFoundError: the directory holds no weights.
         CheckpointFormatError: an index there is malformed or names files outside the directory.
     """
-    files = sorted(p for p in directory.iterdir() if not p.name.startswith(".") and p.is_file()
-                   and (p.name.endswith(".index.json") or p.suffix in _WEIGHT_SUFFIXES)
-                   and not any(fnmatch.fnmatch(p.name, n) for n in NOT_WEIGHTS))
+    files = sorted(p for p in directory.iterdir() if is_weight_name(p.name) and p.is_file())
     indexes = [p for p in files if p.name.endswith(".index.json")]
     sets = [WeightSet(p, _rank(p.name), tuple(shards_of_index(p, _read_index(p)))) for p in indexes]
     sharded = {shard for s in sets for shard in s.shards}
@@ -156,6 +155,18 @@ def weight_sets(directory: Path) -> list[WeightSet]:
             f"{directory} holds no checkpoint (looked for {', '.join(WEIGHT_ORDER)}). Pass the file, or the "
             "directory it is in.")
     return sorted(sets, key=lambda s: (s.rank, s.name))
+
+
+def is_weight_name(name: str) -> bool:
+    """Whether a file of this name in a directory is one of its weight files (see :func:`weight_sets`).
+
+    Example::
+
+        >>> [is_weight_name(n) for n in ("lit_model.pth", "optimizer.pt", ".model.safetensors.partial", "a.json")]
+        [True, False, False, False]
+    """
+    return (not name.startswith(".") and (name.endswith(".index.json") or name.endswith(WEIGHT_SUFFIXES))
+            and not any(fnmatch.fnmatch(name, pattern) for pattern in NOT_WEIGHTS))
 
 
 def _rank(name: str) -> int:

@@ -12,20 +12,25 @@ dtype (widest first, so each one is aligned) then by name, a compact JSON header
 spaces to a multiple of 8 bytes (``save_file`` orders several metadata entries at random from run
 to run; here they keep the order given). A set of several files is named as ``save_pretrained`` names
 it (``model-00001-of-00003.safetensors``) with a ``model.safetensors.index.json``.
+
+Files are written into a directory that holds none of them yet (the new directory of a save, switched in
+whole by :mod:`~lightning_lowmem.formats.atomic_directory`): each is created with ``O_EXCL | O_NOFOLLOW``,
+so nothing is ever written through a link, then flushed and fsynced.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lightning_lowmem.formats.atomic_file import write_new
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",
@@ -36,7 +41,13 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 _RANK = {dtype: i for i, dtype in enumerate(_DTYPE_NAMES)}  # safetensors' own dtype order: files list the last first
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+WRITER_KEY = "lightning_lowmem.writer"
+"""The metadata key (in every file's header and in the index) that marks a save of this library: a later save
+replaces such files, and refuses to sit beside weight files without it (unless told to remove them)."""
+WRITER = "lightning_lowmem"
+SCHEME_KEY = "lightning_lowmem.quantize"
+"""The metadata key naming the scheme(s) of a saved checkpoint's quantized weights."""
 
 
 @dataclass(frozen=True)
@@ -106,57 +117,95 @@ def shard_names(n: int) -> list[str]:
     return [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
+@dataclass(frozen=True)
+class PlannedFile:
+    """One safetensors file of a save, known before it is written.
+
+    Attributes:
+        name: its file name.
+        tensors: its tensors, in the order of its data (dtype widest first, then name).
+        header: its JSON header, padded.
+    """
+
+    name: str
+    tensors: list[TensorToWrite]
+    header: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size."""
+        return 8 + len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    @classmethod
+    def of(cls, name: str, tensors: Sequence[TensorToWrite], metadata: Mapping[str, str] | None) -> PlannedFile:
+        """``tensors`` as one file named ``name``.
+
+        Raises:
+            ValueError: two tensors share a key, or a dtype safetensors has no name for.
+        """
+        ordered = sorted(tensors, key=lambda t: (-_rank(t), t.key))
+        return cls(name, ordered, _header(ordered, metadata))
+
+
+@dataclass(frozen=True)
+class ShardedPlan:
+    """The files of a save, known before any is written: ``files``, and ``index`` (the index's bytes) when there
+    are several."""
+
+    files: list[PlannedFile]
+    index: bytes | None
+
+    @property
+    def sizes(self) -> list[int]:
+        """Bytes of each file to write, the index last."""
+        return [f.nbytes for f in self.files] + ([len(self.index)] if self.index is not None else [])
+
+
+def plan_sharded(tensors: Sequence[TensorToWrite], metadata: Mapping[str, str], max_shard_size: int,
+                 index_metadata: Mapping[str, object] | None = None) -> ShardedPlan:
+    """``tensors`` as ``save_pretrained`` lays a checkpoint out: ``model.safetensors``, or several files and the
+    index ``model.safetensors.index.json`` (``metadata`` in every file; ``index_metadata`` and the writer key in
+    the index's ``metadata``)."""
+    shards = split_shards(tensors, max_shard_size)
+    files = [PlannedFile.of(name, shard, metadata) for name, shard in zip(shard_names(len(shards)), shards)]
+    if len(files) == 1:
+        return ShardedPlan(files, None)
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors), WRITER_KEY: WRITER, **(index_metadata or {})},
+             "weight_map": {t.key: f.name for f in files for t in f.tensors}}
+    return ShardedPlan(files, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+
+
 def write_safetensors(path: Path, tensors: Sequence[TensorToWrite], metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``tensors`` to the safetensors file ``path``, one at a time; the file appears whole or not at all.
+    """Write ``tensors`` to the new safetensors file ``path``, one at a time (nothing may be at ``path``: a link
+    is never followed); a failed write leaves no file.
 
     Raises:
         ValueError: two tensors share a key, a dtype safetensors has no name for, or a tensor made by ``get``
             whose shape or dtype is not the one announced.
+        FileExistsError: something is at ``path``.
     """
-    ordered = sorted(tensors, key=lambda t: (-_rank(t), t.key))
-    header = _header(ordered, metadata)
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        with open(partial, "wb") as f:
-            f.write(struct.pack("<Q", len(header)) + header)
-            for entry in ordered:
-                _write_tensor(f, entry)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    _write_file(path, PlannedFile.of(path.name, tensors, metadata))
 
 
-def write_sharded(directory: Path, tensors: Sequence[TensorToWrite], metadata: Mapping[str, str], max_shard_size: int,
-                  index_metadata: Mapping[str, object] | None = None) -> list[Path]:
-    """``tensors`` written into ``directory`` as ``save_pretrained`` lays a checkpoint out: ``model.safetensors``,
-    or several files and ``model.safetensors.index.json`` (``metadata`` in every file). Files of an earlier
-    save under these names that this one does not write are removed, so that no stale index or shard is
-    left to be loaded. Returns the files written, the index last.
-    """
-    directory.mkdir(parents=True, exist_ok=True)
-    shards = split_shards(tensors, max_shard_size)
-    names = shard_names(len(shards))
+def write_sharded(directory: Path, plan: ShardedPlan) -> list[Path]:
+    """The files of ``plan`` (:func:`plan_sharded`) written into ``directory``, which holds none of them yet, the
+    index last. Returns the files written, the index last."""
     written = []
-    for name, shard in zip(names, shards):
-        write_safetensors(directory / name, shard, metadata)
-        written.append(directory / name)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors), **(index_metadata or {})},
-                 "weight_map": {t.key: name for name, shard in zip(names, shards) for t in shard}}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for planned in plan.files:
+        _write_file(directory / planned.name, planned)
+        written.append(directory / planned.name)
+    if plan.index is not None:
+        with write_new(directory / INDEX_FILE) as f:
+            f.write(plan.index)
         written.append(directory / INDEX_FILE)
-    _remove_stale(directory, {p.name for p in written})
     return written
 
 
-def _remove_stale(directory: Path, keep: Iterable[str]) -> None:
-    keep = set(keep)
-    for path in directory.iterdir():
-        stale = path.name == SINGLE_FILE or path.name == INDEX_FILE or _SHARD.fullmatch(path.name)
-        if stale and path.name not in keep and path.is_file():
-            path.unlink()
+def _write_file(path: Path, planned: PlannedFile) -> None:
+    with write_new(path) as f:
+        f.write(struct.pack("<Q", len(planned.header)) + planned.header)
+        for entry in planned.tensors:
+            _write_tensor(f, entry)
 
 
 def _header(ordered: Sequence[TensorToWrite], metadata: Mapping[str, str] | None) -> bytes:

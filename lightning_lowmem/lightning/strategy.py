@@ -15,7 +15,7 @@ final model plus one tensor in flight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.types import _DEVICE
+from lightning.fabric.utilities.types import _DEVICE, _PATH
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -34,6 +35,7 @@ from typing_extensions import override
 from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.atomic_file import replace_file
 from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
 from lightning_lowmem.lightning.state import (
     module_to_device_skipping_meta,
@@ -74,6 +76,8 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
       as :func:`~lightning_lowmem.save_checkpoint` writes its tensors (the layout transformers saves, not
       dequantized) and the safetensors metadata as a dict under ``"__metadata__"``, in one ``torch.save``
       file as Lightning writes it; ``fabric.load`` reads the quantized weights back as stored.
+    * ``fabric.save(path, ...)`` writes the file whole: a new file beside ``path`` (never through a link),
+      fsynced, then renamed over it (see :meth:`save_checkpoint`).
 
     Args:
         device: the device; default: ``options.device``, else the one Fabric's ``accelerator``/``devices``
@@ -177,6 +181,23 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
             return super().get_module_state_dict(module)
         state = module_state(module)
         return {**state.materialized(), "__metadata__": state.metadata}
+
+    @override
+    def save_checkpoint(self, path: _PATH, state: dict[str, nn.Module | Optimizer | Any],
+                        storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        """``fabric.save``: the checkpoint Lightning makes, written as a new temporary file beside ``path``
+        (``O_EXCL | O_NOFOLLOW``), fsynced, renamed over ``path`` and the directory fsynced: a kill leaves the old
+        file or the new one, a link at ``path`` is replaced (its target is left as it was), and a full disk is a
+        :class:`~lightning_lowmem.SaveError` naming the file. Lightning's own writer puts its temporary file in
+        the system's temporary directory and, when that is another file system, copies it over ``path``
+        through any link there. Another ``CheckpointIO``, ``storage_options`` or a URL: Lightning's writer."""
+        if storage_options is not None or type(self.checkpoint_io) is not TorchCheckpointIO or "://" in str(path):
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        state = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        if self.is_global_zero:
+            replace_file(Path(path), lambda f: torch.save(state, f))
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -3,6 +3,10 @@ generates the same text; an HF directory converted without quantizing; a copy ov
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+
 import pytest
 import torch
 
@@ -102,3 +106,70 @@ def test_a_copy_of_a_tied_model_reloads_in_every_face(tmp_path, write_gguf, caps
     model = build_meta_gpt(LitgptCheckpoint.find(out).config)
     load_checkpoint(model, out, progress=False)
     assert model.lm_head.weight is model.transformer.wte.weight
+def _one_line(capsys) -> str:
+    """stderr of the command: one line (after the load report, when the load ran), and no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: "), err
+    return err.strip().splitlines()[-1]
+
+
+def _readonly_directory(tmp_path, mount_tmpfs):
+    if os.geteuid() != 0:  # permissions stop a user; root needs a read-only file system
+        (tmp_path / "ro").mkdir(mode=0o555)
+        return tmp_path / "ro"
+    return mount_tmpfs("64k", readonly=True)
+
+
+def test_out_that_is_a_file_is_refused_before_any_read(tmp_path, chat_model_dir, read_recorder, capsys):
+    (tmp_path / "copy").write_text("mine")
+    assert main(["quantize", str(chat_model_dir), "--out", str(tmp_path / "copy")]) == 2
+    assert "is a file" in capsys.readouterr().err and read_recorder.keys == []
+    assert (tmp_path / "copy").read_text() == "mine"
+
+
+def test_out_that_cannot_be_written_is_one_line_before_any_read(tmp_path, mount_tmpfs, chat_model_dir, read_recorder,
+                                                                capsys):
+    readonly = _readonly_directory(tmp_path, mount_tmpfs)
+    assert main(["quantize", str(chat_model_dir), "--out", str(readonly / "copy")]) == 1
+    line = _one_line(capsys)
+    assert line.startswith("error: SaveError:") and str(readonly) in line and read_recorder.keys == []
+    assert ("read-only file system" if os.geteuid() == 0 else "not writable") in line
+
+
+def test_out_on_a_disk_too_small_is_one_line_before_any_read(mount_tmpfs, chat_model_dir, read_recorder, capsys):
+    disk = mount_tmpfs("32k")
+    assert main(["quantize", str(chat_model_dir), "--out", str(disk / "copy")]) == 1
+    line = _one_line(capsys)
+    assert re.search(rf"{re.escape(str(disk / 'copy'))}: the save needs .* \(\d+ bytes\) .* which has .* \(\d+ bytes\) "
+                     "free", line), line
+    assert read_recorder.keys == [] and list(disk.iterdir()) == []
+
+
+def test_a_disk_that_fills_during_the_save_is_one_line_and_the_old_copy_stays(mount_tmpfs, fill_disk, monkeypatch,
+                                                                              chat_model_dir, capsys):
+    from lightning_lowmem.formats import atomic_file
+
+    disk = mount_tmpfs("1m")
+    out = disk / "copy"
+    assert main(["quantize", str(chat_model_dir), "--out", str(out), "--device", "cpu"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(atomic_file, "_on_step", lambda label: fill_disk(disk) if label == "staged" else None)
+    assert main(["quantize", str(chat_model_dir), "--out", str(out), "--precision", "32-true", "--device", "cpu"]) == 1
+    line = _one_line(capsys)
+    assert f"failed at {out / 'model.safetensors'}: No space left on device" in line and "needs" in line, line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in disk.iterdir()) == ["copy", "filler"]
+
+
+def test_weight_files_it_did_not_write_in_out_stop_it_before_any_read_unless_overwrite(tmp_path, chat_model_dir,
+                                                                                       read_recorder, capsys):
+    out = tmp_path / "copy"
+    out.mkdir()
+    shutil.copyfile(chat_model_dir / "lit_model.pth", out / "lit_model.pth")  # generate would load this one first
+    assert main(["quantize", str(chat_model_dir), "--out", str(out), "--device", "cpu"]) == 1
+    line = _one_line(capsys)
+    assert line.startswith("error: ForeignWeightsError:") and "'lit_model.pth'" in line and "--overwrite" in line
+    assert read_recorder.keys == [] and sorted(p.name for p in out.iterdir()) == ["lit_model.pth"]
+
+    assert main(["quantize", str(chat_model_dir), "--out", str(out), "--device", "cpu", "--overwrite"]) == 0
+    assert not (out / "lit_model.pth").exists() and (out / "model.safetensors").is_file()

@@ -13,7 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from lightning_lowmem import Checkpoint
 from lightning_lowmem.formats.safetensors_writer import (
+    WRITER_KEY,
     TensorToWrite,
+    plan_sharded,
     shard_names,
     split_shards,
     write_safetensors,
@@ -74,14 +76,28 @@ def test_shards_are_cut_as_huggingface_hub_cuts_them():
     assert {t.key: name for name, shard in zip(names, ours) for t in shard} == theirs.tensor_to_filename
 
 
-def test_a_sharded_set_loads_and_a_later_save_leaves_nothing_stale(tmp_path):
+def test_a_sharded_set_loads_through_its_index_and_its_sizes_are_known_before_it_is_written(tmp_path):
     tensors = [TensorToWrite.of(f"layer.{i}.weight", torch.full((64,), float(i))) for i in range(6)]
-    files = write_sharded(tmp_path, tensors, {"format": "pt"}, max_shard_size=600)
+    plan = plan_sharded(tensors, {"format": "pt"}, max_shard_size=600)
+    files = write_sharded(tmp_path, plan)
     assert [p.name for p in files] == [*shard_names(3), "model.safetensors.index.json"]
+    assert [p.stat().st_size for p in files] == plan.sizes
     index = json.loads(files[-1].read_text())
-    assert index["metadata"]["total_size"] == 6 * 256 and len(index["weight_map"]) == 6
+    assert index["metadata"] == {"total_size": 6 * 256, WRITER_KEY: "lightning_lowmem"}
+    assert len(index["weight_map"]) == 6
     with Checkpoint.open(tmp_path) as ckpt:
         assert ckpt.metadata == {"format": "pt"}
         assert [ckpt.read(f"layer.{i}.weight")[0].item() for i in range(6)] == [float(i) for i in range(6)]
-    write_sharded(tmp_path, tensors[:1], {"format": "pt"}, max_shard_size=600)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    (tmp_path / "one").mkdir()
+    assert [p.name for p in write_sharded(tmp_path / "one", plan_sharded(tensors[:1], {}, 600))] == [
+        "model.safetensors"]
+
+
+def test_nothing_is_written_through_a_link_at_the_name(tmp_path):
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "model.safetensors").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        write_sharded(tmp_path / "d", plan_sharded([TensorToWrite.of("w", torch.ones(4))], {}, 600))
+    assert victim.read_bytes() == b"precious" and (tmp_path / "d" / "model.safetensors").is_symlink()

@@ -445,3 +445,36 @@ def test_fabric_load_does_not_torch_load_the_weights(tmp_path, litgpt_model, mon
     rest = fabric.load(path, {"model": model})
     assert rest == {"step": 3}
     assert not any(kw.get("mmap") for kw in calls) and len(calls) <= 1
+
+
+def test_fabric_save_never_writes_through_a_link_at_its_name(tmp_path, mount_tmpfs, litgpt_model):
+    """The file is written beside its name and renamed over it: a link there is replaced, its target left as it was.
+    The directory is on another file system than the system's temporary directory, where Lightning's own writer
+    copies its temporary file over the name, through the link."""
+    disk = mount_tmpfs("4m")
+    victim = tmp_path / "victim.ckpt"
+    victim.write_bytes(b"precious")
+    (disk / "saved.ckpt").symlink_to(victim)
+    fabric = _fabric("string", "32-true")
+    model = fabric.setup(litgpt_model)
+    fabric.save(disk / "saved.ckpt", {"model": model, "epoch": 3})
+    assert victim.read_bytes() == b"precious" and not (disk / "saved.ckpt").is_symlink()
+    assert torch.load(disk / "saved.ckpt", weights_only=True)["epoch"] == 3
+    assert sorted(p.name for p in disk.iterdir()) == ["saved.ckpt"]
+
+
+def test_fabric_save_on_a_full_disk_is_a_save_error_and_the_old_file_stays(mount_tmpfs, fill_disk, litgpt_model):
+    from lightning_lowmem import SaveError
+
+    disk = mount_tmpfs("1m")
+    fabric = _fabric("string", "32-true")
+    model = fabric.setup(litgpt_model)
+    fabric.save(disk / "saved.ckpt", {"model": model, "epoch": 1})
+    before = (disk / "saved.ckpt").read_bytes()
+    fill_disk(disk)
+    with pytest.raises(SaveError, match=r"Writing .*saved.ckpt failed at .*: No space left on device\. .* holds what "
+                                        r"it held before and no temporary file is left\. 0 B is free") as e:
+        fabric.save(disk / "saved.ckpt", {"model": model, "epoch": 2})
+    assert e.value.errno == 28 and e.value.path == str(disk / "saved.ckpt")
+    assert (disk / "saved.ckpt").read_bytes() == before
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "saved.ckpt"]

@@ -1,0 +1,107 @@
+"""Files written whole and never through a link: created with O_EXCL | O_NOFOLLOW, renamed over their name, and
+temporaries that a killed save left removed unless a running save holds them."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from lightning_lowmem import SaveError
+from lightning_lowmem.formats import atomic_file
+from lightning_lowmem.formats.atomic_file import (
+    exchange,
+    locked,
+    make_temporary_directory,
+    remove_leftovers,
+    replace_file,
+    write_new,
+)
+
+
+@pytest.fixture
+def victim(tmp_path):
+    path = tmp_path / "outside" / "victim"
+    path.parent.mkdir()
+    path.write_bytes(b"precious")
+    return path
+
+
+def test_write_new_never_opens_what_is_at_the_name(tmp_path, victim):
+    (tmp_path / "link").symlink_to(victim)
+    (tmp_path / "file").write_bytes(b"mine")
+    for name in ("link", "file"):
+        with pytest.raises(FileExistsError), write_new(tmp_path / name) as f:
+            f.write(b"new")
+    assert victim.read_bytes() == b"precious" and (tmp_path / "file").read_bytes() == b"mine"
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_write_new_leaves_no_file_when_the_write_fails(tmp_path):
+    with pytest.raises(RuntimeError, match="stop"), write_new(tmp_path / "new") as f:
+        f.write(b"half")
+        raise RuntimeError("stop")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_replace_file_replaces_a_link_at_its_name_and_keeps_the_old_files_mode(tmp_path, victim):
+    (tmp_path / "a.ckpt").symlink_to(victim)
+    replace_file(tmp_path / "a.ckpt", lambda f: f.write(b"new"))
+    assert victim.read_bytes() == b"precious" and not (tmp_path / "a.ckpt").is_symlink()
+    assert (tmp_path / "a.ckpt").read_bytes() == b"new"
+    (tmp_path / "a.ckpt").chmod(0o640)
+    replace_file(tmp_path / "a.ckpt", lambda f: f.write(b"newer"))
+    assert stat.S_IMODE((tmp_path / "a.ckpt").stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "outside"]
+
+
+def test_replace_file_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    (tmp_path / "a.ckpt").write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"half of it")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(SaveError, match=r"Writing .*a.ckpt failed at .*\.lowmem-[0-9a-f]{8}\.a\.ckpt: No space left "
+                                        r"on device\. .* holds what it held before") as e:
+        replace_file(tmp_path / "a.ckpt", fail)
+    assert e.value.errno == 28 and isinstance(e.value, OSError) and e.value.available is not None
+    assert (tmp_path / "a.ckpt").read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["a.ckpt"]
+    with pytest.raises(ValueError, match="is a directory"):
+        replace_file(tmp_path, lambda f: None)
+
+
+def test_a_temporary_name_taken_by_a_planted_link_is_skipped(tmp_path, victim, monkeypatch):
+    names = iter(["0badc0de", "5afe5afe"])
+    monkeypatch.setattr(atomic_file.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / ".lowmem-0badc0de.out").symlink_to(victim.parent)
+    made = make_temporary_directory(tmp_path, "out")
+    assert made.name == ".lowmem-5afe5afe.out" and made.is_dir() and not made.is_symlink()
+    assert sorted(p.name for p in victim.parent.iterdir()) == ["victim"]
+
+
+def test_leftovers_are_removed_unless_a_running_save_holds_them(tmp_path, victim):
+    for name in (".lowmem-00000001.out", ".lowmem-old-00000002.out", ".lowmem-00000003.out"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x")
+    (tmp_path / ".lowmem-00000004.out").write_bytes(b"a killed single-file save")
+    (tmp_path / ".lowmem-00000005.out").symlink_to(victim.parent)  # a link at such a name: removed, not followed
+    keep = [".lowmem-00000006.other", ".lowmem-zz.out", "out", "outside"]  # another name's, not of the form, ours
+    for name in keep[:3]:
+        (tmp_path / name).mkdir()
+    with locked(tmp_path / ".lowmem-00000003.out"):  # a save still writing there
+        removed = remove_leftovers(tmp_path, "out")
+    assert sorted(removed) == [".lowmem-00000001.out", ".lowmem-00000004.out", ".lowmem-00000005.out",
+                               ".lowmem-old-00000002.out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".lowmem-00000003.out", *keep])
+    assert victim.read_bytes() == b"precious"
+
+
+def test_exchange_swaps_two_directories_in_one_step(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "in-a").touch()
+    if not exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) here")
+    assert os.listdir(tmp_path / "b") == ["in-a"] and os.listdir(tmp_path / "a") == []
