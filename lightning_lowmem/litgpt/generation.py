@@ -200,7 +200,8 @@ def generate(
     """
     if max_new_tokens < 1 or num_samples < 1:
         raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}.")
-    import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")  # before the monitor: no model memory
+    # imported before the monitor starts: its import is no model memory
+    import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
 
     options = generation_options(options, precision, quantize=quantize, device=device)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)

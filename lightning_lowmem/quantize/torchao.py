@@ -156,8 +156,9 @@ class TorchaoNF4(QuantScheme):
 
     Each chosen Linear becomes an :class:`~lightning_lowmem.quantize.nf4.NF4Linear` (frozen, 4-bit weight;
     its forward dequantizes to the input's dtype). On one device the whole weight is quantized; under FSDP2
-    each rank quantizes the whole weight's scales and keeps its rows (:meth:`TorchaoNF4Transform.quantize_shard`), which gives
-    the same numbers as quantizing on one device and sharding after.
+    each rank quantizes the whole weight's scales and keeps its rows
+    (:meth:`TorchaoNF4Transform.quantize_shard`), which gives the same numbers as quantizing on one device
+    and sharding after.
 
     Attributes:
         block_size: weights per int8 scale.
