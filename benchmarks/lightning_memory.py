@@ -56,6 +56,7 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     from litgpt import GPT, Config
 
     from lightning_lowmem import LowMemCallback, MemoryMonitor
+    from lightning_lowmem.quantize import tensor_nbytes
 
     config = Config.from_name(model_name)
 
@@ -77,7 +78,8 @@ def child(method: str, model_name: str, path: Path, quantize: str | None) -> dic
     ready: list[tuple[int, int]] = []  # (VmHWM, model bytes) when the model is ready, before its first forward
 
     def mark_ready(module: torch.nn.Module) -> None:
-        ready.append((peak_rss(), sum(t.numel() * t.element_size() for t in module.state_dict().values())))
+        # a quantized tensor's own bytes: a torchao weight's numel x element_size counts its bf16 outer dtype
+        ready.append((peak_rss(), sum(tensor_nbytes(t) for t in module.state_dict().values())))
 
     with MemoryMonitor() as mon:
         if method in ("trainer", "trainer-lowmem"):

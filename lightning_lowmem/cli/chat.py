@@ -25,6 +25,7 @@ from lightning_lowmem.cli.options import (
     config_argument,
     default_device,
 )
+from lightning_lowmem.litgpt.requirement import import_litgpt
 
 SEED = 1234  # litgpt chat's L.seed_everything(1234)
 
@@ -63,7 +64,7 @@ class Console:
 def run(args: argparse.Namespace) -> int:
     """Load, then run litgpt's chat loop until an empty prompt or end of input."""
     import torch
-    from litgpt.chat.base import interact
+    interact = import_litgpt("litgpt.chat.base", needed_by="lightning-lowmem chat").interact
 
     from lightning_lowmem.litgpt.patch import patch_litgpt
 

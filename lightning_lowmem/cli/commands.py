@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from lightning_lowmem.cli import chat, estimate, generate, inspect_checkpoint, quantize
-from lightning_lowmem.cli.exits import EXIT_ARGUMENT, EXIT_CODES, exit_code, print_error
+from lightning_lowmem.cli.exits import EXIT_ARGUMENT, EXIT_CHECKPOINT, EXIT_CODES, exit_code, print_error
 from lightning_lowmem.cli.options import resolve_checkpoint
+from lightning_lowmem.litgpt.requirement import import_litgpt
 
 SUBCOMMANDS = (estimate, generate, chat, inspect_checkpoint, quantize)
 
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help(sys.stderr)
         return EXIT_ARGUMENT
+    try:  # every subcommand builds litgpt's GPT; --help and --version answer without it
+        import_litgpt(needed_by="The lightning-lowmem command")
+    except ImportError as e:
+        print_error(e)
+        return EXIT_CHECKPOINT
     try:
         if hasattr(args, "checkpoint_flag"):  # a subcommand taking CHECKPOINT or --checkpoint_dir
             resolve_checkpoint(args, args.parser)

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.quantize import SCHEMES
 
 def add_subcommand(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
@@ -134,7 +135,7 @@ def config_argument(value: str | None) -> Any | None:
     """
     if value is None:
         return None
-    from litgpt import Config
+    Config = import_litgpt(needed_by="lightning-lowmem --config").Config
 
     if Path(value).expanduser().is_file():
         return Config.from_file(Path(value).expanduser())

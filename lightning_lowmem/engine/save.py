@@ -2,7 +2,7 @@
 
 ::
 
-    walk the module: a quantized module -> its scheme's tensors (``QuantScheme.state_dict_of``)
+    walk the module: a quantized module -> its library's tensors (``StoredLayout.state_dict_of``)
                      any other module   -> its own parameters and persistent buffers (tied ones once)
     -> shapes and dtypes first: the files' headers, cut into shards of ``max_shard_size``
     -> each tensor asked for, copied to CPU if it has to be, written, dropped; the next
@@ -41,10 +41,8 @@ from lightning_lowmem.formats.save_target import checkpoint_directory, is_weight
 from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import architecture_of
-from lightning_lowmem.quantize import QuantScheme
-from lightning_lowmem.quantize.schemes import library_classes
+from lightning_lowmem.quantize import LAYOUTS, QuantScheme, layout_of, scheme_of
 from lightning_lowmem.quantize.selection import as_linear
-from lightning_lowmem.quantize.stored import scheme_of
 
 TIES_KEY = "lightning_lowmem.ties"
 """The metadata key of a save's tied tensors: JSON, each name not written -> the name it was written under."""
@@ -165,7 +163,7 @@ def module_state(module: nn.Module) -> ModuleState:
         scheme = scheme_of(mod)
         if scheme is not None:
             state.quantized[name] = (scheme, mod)
-            for key, tensor in scheme.state_dict_of(mod).items():  # shapes now; the tensors again when written
+            for key, tensor in layout_of(scheme).state_dict_of(mod).items():  # shapes now; again when written
                 state.tensors.append(TensorToWrite(prefix + key, tuple(tensor.shape), tensor.dtype,
                                                    cache.getter(mod, scheme, key)))
             seen.update((id(t), f"{prefix}{leaf}") for leaf, t in mod.named_parameters(recurse=False))
@@ -198,7 +196,7 @@ def transformers_config(module: nn.Module, state: ModuleState) -> dict | None:
     scheme, mod = next(iter(schemes.values()))
     compute = getattr(mod, "compute_dtype", None)
     compute = compute if isinstance(compute, torch.dtype) else model_dtype(module)
-    return scheme.transformers_config(state.full_precision, compute)
+    return layout_of(scheme).transformers_config(scheme, state.full_precision, compute)
 
 
 def _metadata(state: ModuleState) -> dict[str, str]:
@@ -207,8 +205,9 @@ def _metadata(state: ModuleState) -> dict[str, str]:
         metadata[TIES_KEY] = json.dumps(state.ties)
     if state.quantized:
         metadata[SCHEME_KEY] = ",".join(sorted({scheme.name for scheme, _ in state.quantized.values()}))
-        for cls in library_classes("file_metadata"):
-            metadata.update(cls.file_metadata(state.quantized))
+        for layout in LAYOUTS:
+            mine = {name: mod for name, (scheme, mod) in state.quantized.items() if layout_of(scheme) is layout}
+            metadata.update(layout.file_metadata(mine) if mine else {})
     return metadata
 
 
@@ -236,7 +235,7 @@ class _Latest:
         def get() -> torch.Tensor:
             if self._module is not module:
                 self._module, self._state = None, {}  # drop the previous module's before making this one's
-                self._state, self._module = scheme.state_dict_of(module), module
+                self._state, self._module = layout_of(scheme).state_dict_of(module), module
             return self._state[key]
 
         return get

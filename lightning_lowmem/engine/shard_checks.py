@@ -63,7 +63,7 @@ def quantize_for_sharding(module: nn.Module, options: LoadOptions, count: int,
             del selection.chosen[name]
             target.scheme = None
     real = [n for n, w in selection.chosen.items() if not _tensor(module, w).is_meta and
-            not scheme.built(module.get_submodule(n))]
+            not scheme.transform.built(module.get_submodule(n))]
     if real:
         raise ValueError(f"quantize={scheme.name!r} builds quantized weights before the model is sharded, from a "
                          f"checkpoint loaded after; {format_names(real)} already hold real weights. Build the model "
@@ -110,7 +110,7 @@ def _check_quantized_shards(prepared: PreparedLoad, shards: list[Target]) -> Non
     scheme, module = prepared.options.scheme, prepared.module
     chosen = prepared.selection.chosen if prepared.selection is not None else {}
     unbuilt = [name for name, weight in chosen.items()
-               if is_dtensor(_tensor(module, weight)) and not scheme.built(module.get_submodule(name))]
+               if is_dtensor(_tensor(module, weight)) and not scheme.transform.built(module.get_submodule(name))]
     if unbuilt:
         raise UnsupportedQuantizationError(
             f"quantize={scheme.name!r} chose {format_names(unbuilt)}, which were sharded as full-precision "

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.litgpt.guard import release_all_rope
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.litgpt.rope import is_litgpt_like, rope_tables
 from lightning_lowmem.placement import Architecture, CacheBytes, register_architecture
 
@@ -42,7 +43,7 @@ class LitgptArchitecture(Architecture):
     def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
         """k/v from each block's ``build_kv_cache`` (sliding windows, latent attention as litgpt does them),
         the mask from ``build_mask_cache``, RoPE from ``rope_cache()`` in ``dtype``: all built on meta."""
-        from litgpt.model import build_mask_cache
+        build_mask_cache = import_litgpt("litgpt.model", needed_by="Sizing litgpt's caches").build_mask_cache
 
         gpt = _gpt(module)
         cos, sin = rope_tables(gpt, length, _META)
@@ -83,9 +84,7 @@ class LitgptArchitecture(Architecture):
         :func:`~lightning_lowmem.generate` (which reads the scheme from the weights)."""
         if not is_litgpt_like(module):
             return []
-        from litgpt.utils import save_config
-
-        save_config(module.config, directory)
+        import_litgpt("litgpt.utils", needed_by="Writing model_config.yaml").save_config(module.config, directory)
         return [directory / "model_config.yaml"]
 
 

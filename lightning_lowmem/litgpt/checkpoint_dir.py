@@ -35,6 +35,7 @@ from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import init_empty
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -116,7 +117,7 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple
 
 def build_meta_gpt(config: Any) -> nn.Module:
     """litgpt's ``GPT(config)`` with every parameter and buffer on meta (no RoPE computed)."""
-    from litgpt import GPT
+    GPT = import_litgpt(needed_by="Building litgpt's GPT").GPT
 
     with init_empty(include_buffers=True):
         return GPT(config)
@@ -172,7 +173,7 @@ def find_config(directory: Path) -> tuple[Any, str]:
         ValueError: none of these gives a config; the message lists what was tried.
         CheckpointFormatError: ``config.json`` is not a JSON object.
     """
-    from litgpt import Config
+    Config = import_litgpt(needed_by="Finding a checkpoint's litgpt config").Config
 
     if not directory.is_dir():
         raise CheckpointNotFoundError(f"Checkpoint directory {str(directory)!r} does not exist (or is a file). "
@@ -200,6 +201,6 @@ def has_tokenizer(directory: Path) -> bool:
 def _tokenizer(directory: Path) -> Any | None:
     if not has_tokenizer(directory):
         return None
-    from litgpt.tokenizer import Tokenizer
+    Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="Reading a checkpoint's tokenizer").Tokenizer
 
     return Tokenizer(directory)

@@ -31,6 +31,7 @@ from lightning_lowmem.engine import (
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
@@ -82,6 +83,7 @@ def estimate_memory(
         >>> estimate_memory("pythia-1b", quantize="bnb.nf4", max_seq_length=114).weights == est.weights
         True
     """
+    import_litgpt(needed_by="lightning_lowmem.estimate_memory()")  # its model is litgpt's GPT
     dtype = load_dtype(dtype or (options.dtype if options is not None else None), None, torch.bfloat16)
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
@@ -165,7 +167,7 @@ def _named_config(source: Any) -> Any:
     """``source``, or the litgpt config it names when it is a string that is no existing path."""
     if not isinstance(source, str) or Path(source).expanduser().exists():
         return source
-    from litgpt import Config
+    Config = import_litgpt(needed_by="estimate_memory(<litgpt model name>)").Config
 
     try:
         return Config.from_name(source)

@@ -24,6 +24,7 @@ from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.quantize import module_nbytes
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
@@ -200,7 +201,8 @@ def generate(
     """
     if max_new_tokens < 1 or num_samples < 1:
         raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}.")
-    import litgpt.generate.base  # noqa: F401  (imported before the monitor starts: its import is no model memory)
+    # imported before the monitor starts: its import is no model memory
+    import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
 
     options = generation_options(options, precision, quantize=quantize, device=device)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
@@ -224,7 +226,7 @@ def generate(
 
 def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, tokenizer: Any | None,
                  max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any]) -> None:
-    from litgpt.generate.base import generate as litgpt_generate
+    litgpt_generate = import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()").generate
 
     total = ids.numel() + max_new_tokens
     eos_id = getattr(tokenizer, "eos_id", None)

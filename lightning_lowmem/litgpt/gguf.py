@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.litgpt.hf import HFConversion, hf_to_litgpt
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.plan import Combine
 from lightning_lowmem.plan.gguf import GGUFConversion, config_from_parsed, gguf_file_of, gguf_parsed, gguf_to_transformers
 
@@ -81,7 +82,7 @@ def litgpt_config(hf_config: Any, names: list[str] | tuple[str, ...] = ()) -> An
     Raises:
         ValueError: another family, or RoPE scaling litgpt's fields are not filled for: pass ``config=``.
     """
-    from litgpt import Config
+    Config = import_litgpt(needed_by="A GGUF file's litgpt config").Config
 
     built = _built_config(hf_config)
     for name in names:
@@ -103,7 +104,7 @@ def litgpt_config(hf_config: Any, names: list[str] | tuple[str, ...] = ()) -> An
 
 def _built_config(hf: Any) -> Any | None:
     """litgpt's ``Config`` filled from a Llama-like transformers config, or None for another family."""
-    from litgpt import Config
+    Config = import_litgpt(needed_by="A GGUF file's litgpt config").Config
 
     family = _FAMILIES.get(getattr(hf, "model_type", ""))
     rope = dict(getattr(hf, "rope_parameters", None) or {})
@@ -144,7 +145,7 @@ def gguf_tokenizer(parsed: Mapping[str, Any], metadata: Mapping[str, Any], path:
 
 def _litgpt_tokenizer(fast: Any, settings: dict[str, Any], name: str) -> Any:
     """litgpt's ``Tokenizer`` over ``fast`` (a ``tokenizers.Tokenizer``), read from a temporary directory."""
-    from litgpt.tokenizer import Tokenizer
+    Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="A GGUF file's tokenizer").Tokenizer
 
     with tempfile.TemporaryDirectory(prefix="lowmem-gguf-tokenizer-") as directory:
         fast.save(str(Path(directory) / "tokenizer.json"))

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointMismatchError, format_names
+from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Combine
 from lightning_lowmem.formats import TensorRecord
@@ -140,7 +141,7 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
 
 def _copy_function(config: Any) -> Copy:
     """litgpt's ``copy_weights_*`` for ``config``, as ``convert_hf_checkpoint`` picks it, bound to ``config``."""
-    from litgpt.scripts import convert_hf_checkpoint as convert
+    convert = import_litgpt("litgpt.scripts.convert_hf_checkpoint", needed_by="Converting an HF checkpoint to litgpt")
 
     name = next(name for test, name in _COPY_FUNCTIONS if test(config))
     function = getattr(convert, name)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.litgpt.requirement import import_litgpt
 
 # litgpt Config field -> the config.json keys that say it (first found wins; RoPE settings may sit under
 # "rope_parameters", where transformers 5 writes them).
@@ -86,7 +87,7 @@ def config_from_hf_json(path: Path) -> tuple[Any, str]:
         CheckpointFormatError: the file is not a JSON object.
         ValueError: no litgpt config has its name or its shapes, or configs of different architectures do.
     """
-    from litgpt import Config
+    Config = import_litgpt(needed_by="Finding an HF checkpoint's litgpt config").Config
 
     hf = read_hf_config(path)
     names = _names(hf)
@@ -114,8 +115,8 @@ def _names(hf: dict[str, Any]) -> list[str]:
 
 def _by_shape(shape: dict[str, int], path: Path, tried: str) -> Any:
     """The litgpt config of ``shape``; several of one architecture: the first, with a warning."""
-    from litgpt import Config
-    from litgpt.config import configs
+    litgpt_config = import_litgpt("litgpt.config", needed_by="Finding an HF checkpoint's litgpt config")
+    Config, configs = litgpt_config.Config, litgpt_config.configs
 
     matches = [c for c in (Config(**d) for d in configs) if all(getattr(c, k) == v for k, v in shape.items())]
     groups: dict[str, list[Any]] = {}

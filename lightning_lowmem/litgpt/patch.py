@@ -45,6 +45,7 @@ from lightning_lowmem.errors import KVCacheTooShortError
 from lightning_lowmem.litgpt.guard import release_all_rope
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
 from lightning_lowmem.litgpt.kv_cache import model_device, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.requirement import import_litgpt
 
 _ORIGINALS: dict[tuple[type, str], Any] = {}
 
@@ -86,8 +87,8 @@ def patch_litgpt() -> LitgptPatch:
     """
     if _ORIGINALS:
         return LitgptPatch(applied=False)
-    from litgpt import model as litgpt_model
-    from litgpt.api import LLM
+    litgpt_model = import_litgpt("litgpt.model", needed_by="lightning_lowmem.patch_litgpt()")
+    LLM = import_litgpt("litgpt.api", needed_by="lightning_lowmem.patch_litgpt()").LLM
 
     targets = [(litgpt_model.GPT, "set_kv_cache", _set_kv_cache),
                (litgpt_model.CausalSelfAttention, "build_kv_cache", _build_kv_cache),
@@ -220,7 +221,7 @@ def _streamed_weights() -> Iterator[None]:
     the patched API holds the weights once, as ``lightning_lowmem.generate`` does.
     The swap lasts for the one call; loading LLMs from several threads at once is not supported.
     """
-    from litgpt import api
+    api = import_litgpt("litgpt.api", needed_by="lightning_lowmem.patch_litgpt()")
 
     saved = api.GPT, api.load_checkpoint
     api.GPT, api.load_checkpoint = _meta_gpt, _stream_checkpoint

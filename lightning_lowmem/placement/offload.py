@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.placement.layers import find_blocks
 from lightning_lowmem.placement.place import PlacementPlan
+from lightning_lowmem.quantize import tensor_nbytes
 
 
 class _Weights:
@@ -58,7 +59,7 @@ class _Weights:
             master = t.detach().to(host)
             self.masters.append(master.pin_memory() if pin and not master.is_pinned() else master)
         self.install(self.masters)
-        self.nbytes = sum(m.numel() * m.element_size() for m in self.masters)
+        self.nbytes = _nbytes(self.masters)
 
     def copy_to(self, device: torch.device) -> list[torch.Tensor]:
         """Fresh copies of the masters on ``device`` (asynchronous from pinned memory)."""
@@ -71,6 +72,13 @@ class _Weights:
         for slots, t in zip(self.buffers, tensors[len(self.params):]):
             for owner, leaf in slots:
                 owner._buffers[leaf] = t
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes ``tensors`` hold, each storage once: a quantized tensor's inner tensors, not numel x its outer dtype
+    (a torchao int8 weight shows as bf16, twice its bytes)."""
+    seen: set[tuple[str, int]] = set()
+    return sum(tensor_nbytes(t, seen) for t in tensors)
 
 
 @dataclass
@@ -190,7 +198,7 @@ class Offload:
 
     def _account(self) -> None:
         copies = list(self._active.values()) + ([self._pending] if self._pending is not None else [])
-        resident = sum(t.numel() * t.element_size() for c in copies for t in c.tensors)
+        resident = _nbytes([t for c in copies for t in c.tensors])
         self.stats.resident_bytes = resident
         self.stats.max_resident_bytes = max(self.stats.max_resident_bytes, resident)
 

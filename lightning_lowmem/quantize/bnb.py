@@ -1,11 +1,12 @@
 """bitsandbytes schemes: ``Linear4bit`` (nf4, fp4, with or without double quantization) and ``Linear8bitLt``.
 
-Each ``nn.Linear`` is swapped for bitsandbytes' own module, built on meta. When
+The configs are frozen dataclasses; their transforms (:class:`Bnb4bitTransform`,
+:class:`BnbInt8Transform`) swap each ``nn.Linear`` for bitsandbytes' own module, built on meta. When
 its weight arrives it is quantized with the same ``bitsandbytes.functional``
 call that ``Params4bit._quantize`` / ``Int8Params._quantize`` make on
 ``module.to(device)`` (the library's documented "load, then move" path), so the
 result is the one bitsandbytes would give after a full load. The weight is
-quantized a block of rows at a time (see ``chunks.py``): same bytes, smaller
+quantized a block of rows at a time (see ``rows.py``): same bytes, smaller
 temporaries. bitsandbytes 0.50 quantizes and runs both on CPU (pure PyTorch
 ops) as well as on CUDA.
 
@@ -14,25 +15,21 @@ bf16 block of rows holds 14.3 bytes per element in ``quantize_4bit`` and 15.0 in
 ``int8_vectorwise_quant`` (its float16 copy included); importing bitsandbytes costs 46.6 MiB,
 its first 4-bit call 11.4 MiB, its first int8 call 6.5 MiB; a 4-bit layer's first forward on a
 CPU with AVX512-bf16 repacks its weight (an int32 unpacked copy and byte copies: 7 bytes per
-weight on pythia-1b).
+weight on pythia-1b). How their modules are saved and read back: ``bnb_layout.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_lowmem.errors import CheckpointFormatError
-from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.memory.heap import trim_after_first_forward
-from lightning_lowmem.quantize import bnb_layout as layout
 from lightning_lowmem.quantize.rows import RowSource, map_rows
-from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, register_scheme
+from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
 _BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 _MiB = 2**20
@@ -88,100 +85,6 @@ class Bnb4bit(BnbScheme):
         scales = blocks + 4 * math.ceil(blocks / 256) + 4 + 1024 if self.double_quant else 4 * blocks
         return math.ceil(n / 2) + 64 + scales
 
-    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
-        from bitsandbytes.nn import Linear4bit
-
-        new = Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         compute_dtype=dtype, compress_statistics=self.double_quant, quant_type=self.quant_type,
-                         quant_storage=self.quant_storage, device="meta")
-        return _adopt(new, linear)
-
-    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
-        from bitsandbytes.nn import Params4bit
-
-        weight = weight if isinstance(weight, RowSource) else RowSource.of(weight)
-        packed, state = self._quantize(weight)
-        module.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=self.blocksize,
-                                   compress_statistics=self.double_quant, quant_type=self.quant_type,
-                                   quant_storage=self.quant_storage, module=module, bnb_quantized=True)
-        module.quant_state = state
-
-    def _quantize(self, weight: RowSource) -> tuple[torch.Tensor, Any]:
-        """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""
-        import bitsandbytes.functional as F
-
-        if self.quant_storage != torch.uint8:  # packed pairs viewed as another dtype: quantize whole
-            return F.quantize_4bit(weight.whole().contiguous(), blocksize=self.blocksize,
-                                   compress_statistics=self.double_quant, quant_type=self.quant_type,
-                                   quant_storage=self.quant_storage)
-
-        def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            packed, state = F.quantize_4bit(rows, blocksize=self.blocksize, quant_type=self.quant_type)
-            return packed, state.absmax
-
-        n = weight.numel
-        packed, absmax = map_rows(weight, quantize, lengths=((n + 1) // 2, -(-n // self.blocksize)),
-                                  align=self.blocksize)
-        # the rest as quantize_4bit does it, on the whole weight's scales
-        common = dict(shape=torch.Size(weight.shape), dtype=weight.dtype, blocksize=self.blocksize,
-                      quant_type=self.quant_type, code=F.get_4bit_type(self.quant_type, device=weight.device))
-        if not self.double_quant:
-            return packed, F.QuantState(absmax=absmax, **common)
-        offset = absmax.mean()
-        qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-        return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
-
-    # ---- saved and pre-quantized weights: transformers' layout (bnb_layout.py)
-
-    @classmethod
-    def holding(cls, module: nn.Module) -> QuantScheme | None:
-        if not _is_bnb(module, "Linear4bit", "LinearNF4", "LinearFP4"):
-            return None
-        state = getattr(module.weight, "quant_state", None)
-        if state is None:
-            return None
-        nested = state.original_nested if getattr(state, "packing_format_for_cpu", False) else state.nested
-        if (state.quant_type, nested) != (cls.quant_type, cls.double_quant):
-            return None
-        return cls(blocksize=state.blocksize, quant_storage=getattr(module.weight, "quant_storage", torch.uint8))
-
-    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return layout.state_dict_4bit(module)
-
-    @classmethod
-    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
-                    files: str) -> dict[str, StoredWeight]:
-        def name_of(quant_type: str, nested: bool) -> str:
-            return next(name for name, c in SCHEMES.items() if issubclass(c, Bnb4bit)
-                        and (c.quant_type, c.double_quant) == (quant_type, nested))
-
-        return layout.find_4bit(records, name_of, files)
-
-    @classmethod
-    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
-                       requested: QuantScheme | None) -> None:
-        state = layout.resolve_4bit(stored, read)
-        try:
-            scheme = SCHEMES[stored.scheme_name](blocksize=state["blocksize"], quant_storage=stored.roles["weight"].dtype)
-        except ValueError as e:
-            raise CheckpointFormatError(f"{stored.where('quant_state')}: {e}") from e
-        layout.check_requested(stored, requested, scheme)
-        stored.scheme = scheme
-
-    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-                    device: torch.device) -> None:
-        layout.load_4bit(module, stored, tensors, device)
-
-    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return layout.dequantize_4bit(stored, tensors)
-
-    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
-        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
-                "bnb_4bit_quant_type": self.quant_type, "bnb_4bit_use_double_quant": self.double_quant,
-                "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch."),
-                "bnb_4bit_quant_storage": str(self.quant_storage).removeprefix("torch."),
-                "llm_int8_skip_modules": skip or None}
-
 
 @register_scheme("bnb.nf4")
 @dataclass(frozen=True)
@@ -236,14 +139,69 @@ class BnbInt8(BnbScheme):
         """int8 codes and an fp32 scale per output row."""
         return math.prod(shape) + 4 * shape[0]
 
+
+@register_transform(Bnb4bit)
+class Bnb4bitTransform(Transform[Bnb4bit]):
+    """A ``Linear4bit`` in the Linear's place; the weight quantized as ``Params4bit`` does on ``.to(device)``."""
+
+    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+        from bitsandbytes.nn import Linear4bit
+
+        s = self.scheme
+        new = Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         compute_dtype=dtype, compress_statistics=s.double_quant, quant_type=s.quant_type,
+                         quant_storage=s.quant_storage, device="meta")
+        return _adopt(new, linear)
+
+    def quantize(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+        from bitsandbytes.nn import Params4bit
+
+        s = self.scheme
+        weight = weight if isinstance(weight, RowSource) else RowSource.of(weight)
+        packed, state = self._quantize(weight)
+        module.weight = Params4bit(packed, requires_grad=False, quant_state=state, blocksize=s.blocksize,
+                                   compress_statistics=s.double_quant, quant_type=s.quant_type,
+                                   quant_storage=s.quant_storage, module=module, bnb_quantized=True)
+        module.quant_state = state
+
+    def _quantize(self, weight: RowSource) -> tuple[torch.Tensor, Any]:
+        """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""
+        import bitsandbytes.functional as F
+
+        s = self.scheme
+        if s.quant_storage != torch.uint8:  # packed pairs viewed as another dtype: quantize whole
+            return F.quantize_4bit(weight.whole().contiguous(), blocksize=s.blocksize,
+                                   compress_statistics=s.double_quant, quant_type=s.quant_type,
+                                   quant_storage=s.quant_storage)
+
+        def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            packed, state = F.quantize_4bit(rows, blocksize=s.blocksize, quant_type=s.quant_type)
+            return packed, state.absmax
+
+        n = weight.numel
+        packed, absmax = map_rows(weight, quantize, lengths=((n + 1) // 2, -(-n // s.blocksize)), align=s.blocksize)
+        # the rest as quantize_4bit does it, on the whole weight's scales
+        common = dict(shape=torch.Size(weight.shape), dtype=weight.dtype, blocksize=s.blocksize,
+                      quant_type=s.quant_type, code=F.get_4bit_type(s.quant_type, device=weight.device))
+        if not s.double_quant:
+            return packed, F.QuantState(absmax=absmax, **common)
+        offset = absmax.mean()
+        qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+        return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
+
+
+@register_transform(BnbInt8)
+class BnbInt8Transform(Transform[BnbInt8]):
+    """A ``Linear8bitLt`` in the Linear's place; the weight quantized as ``Int8Params`` does on ``.to(device)``."""
+
     def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
         from bitsandbytes.nn import Linear8bitLt
 
         new = Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                           has_fp16_weights=False, threshold=self.threshold, device="meta")
+                           has_fp16_weights=False, threshold=self.scheme.threshold, device="meta")
         return _adopt(new, linear)
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+    def quantize(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         import bitsandbytes.functional as F
         from bitsandbytes.nn import Int8Params
 
@@ -254,39 +212,6 @@ class BnbInt8(BnbScheme):
         qweight, scales = map_rows(weight, quantize, lengths=(weight.shape[0], weight.shape[0]))
         module.weight = Int8Params(qweight, requires_grad=False, has_fp16_weights=False, CB=qweight, SCB=scales)
 
-    # ---- saved and pre-quantized weights: transformers' layout (bnb_layout.py)
-
-    @classmethod
-    def holding(cls, module: nn.Module) -> QuantScheme | None:
-        if not _is_bnb(module, "Linear8bitLt") or module.state.has_fp16_weights:
-            return None
-        return cls(threshold=module.state.threshold) if module.weight.dtype == torch.int8 else None
-
-    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return layout.state_dict_8bit(module)
-
-    @classmethod
-    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
-                    files: str) -> dict[str, StoredWeight]:
-        return layout.find_8bit(records, cls.name, files)
-
-    @classmethod
-    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
-                       requested: QuantScheme | None) -> None:
-        layout.resolve_8bit(stored)
-        stored.scheme = requested if isinstance(requested, cls) else cls()  # the threshold is not stored: a run option
-
-    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-                    device: torch.device) -> None:
-        layout.load_8bit(module, stored, tensors, device)
-
-    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return layout.dequantize_8bit(stored, tensors)
-
-    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
-        return {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True,
-                "llm_int8_threshold": self.threshold, "llm_int8_skip_modules": skip or None}
-
 
 def trim_bnb_after_first_forward(model: nn.Module) -> None:
     """:func:`~lightning_lowmem.memory.heap.trim_after_first_forward` for ``model`` and every bitsandbytes module in it,
@@ -294,11 +219,6 @@ def trim_bnb_after_first_forward(model: nn.Module) -> None:
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             trim_after_first_forward(module)
-
-
-def _is_bnb(module: nn.Module, *names: str) -> bool:
-    """Whether ``module`` is one of bitsandbytes' module classes ``names`` (bitsandbytes is not imported)."""
-    return type(module).__name__ in names and type(module).__module__.startswith("bitsandbytes")
 
 
 def _adopt(new: nn.Module, old: nn.Linear) -> nn.Module:

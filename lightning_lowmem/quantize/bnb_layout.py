@@ -20,7 +20,8 @@ blocksize, dtype, shape (and nested_blocksize,
 nested_dtype, nested_offset)
 =================================================  ==========================================================
 
-Loading takes these tensors as they are: ``Params4bit.from_prequantized`` (what transformers calls) and
+:class:`Bnb4bitLayout` and :class:`BnbInt8Layout` are these layouts, filed for bitsandbytes' scheme configs
+(``bnb.py``). Loading takes these tensors as they are: ``Params4bit.from_prequantized`` (what transformers calls) and
 ``Int8Params``, nothing quantized again. The JSON of each 4-bit weight (a few hundred bytes) is read
 and checked with the headers, before any weight: it is the only place the weight's own shape and dtype are.
 """
@@ -39,7 +40,9 @@ from torch import nn
 
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointMismatchError
 from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.quantize.schemes import QuantScheme, StoredWeight
+from lightning_lowmem.quantize.bnb import Bnb4bit, BnbInt8
+from lightning_lowmem.quantize.layouts import StoredLayout, StoredWeight, register_layout
+from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme
 
 _STATE = ".quant_state.bitsandbytes__"
 MAX_STATE_BYTES = 64 * 2**10
@@ -50,38 +53,113 @@ _RESAVE = "The checkpoint is damaged or was not written by bitsandbytes/transfor
 
 # ---------------------------------------------------------------- 4-bit
 
-def find_4bit(records: Mapping[str, TensorRecord], name_of: Callable[[str, bool], str],
-              files: str) -> dict[str, StoredWeight]:
-    """Every 4-bit weight of ``records``, known by its ``quant_state.bitsandbytes__*`` key; headers only.
+@register_layout(Bnb4bit)
+class Bnb4bitLayout(StoredLayout):
+    """``Linear4bit`` (nf4, fp4, with or without double quantization) as transformers saves it."""
 
-    ``name_of(quant_type, double_quant)`` is the scheme's name.
-    """
-    found = {}
-    for key in records:
-        head, sep, quant_type = key.rpartition(_STATE)
-        if not sep or not head.endswith(".weight") and head != "weight":
-            continue
-        roles = {"weight": head, "absmax": f"{head}.absmax", "quant_map": f"{head}.quant_map"}
-        nested = f"{head}.nested_absmax" in records
-        if nested:
-            roles |= {"nested_absmax": f"{head}.nested_absmax", "nested_quant_map": f"{head}.nested_quant_map"}
-        roles["quant_state"] = key
-        absent = [k for k in roles.values() if k not in records]
-        if absent:
-            raise CheckpointFormatError(
-                f"{files}: the 4-bit weight {head!r} ({key!r}) lacks {', '.join(map(repr, absent))}, which "
-                f"bitsandbytes stores beside it. {_RESAVE}")
-        if quant_type not in ("nf4", "fp4"):
-            raise CheckpointFormatError(f"{files}: {key!r} names the 4-bit type {quant_type!r}; bitsandbytes "
-                                        f"writes 'nf4' or 'fp4'. {_RESAVE}")
-        if records[key].nbytes > MAX_STATE_BYTES:  # read before any weight: bounded
-            raise CheckpointFormatError(f"{files}: {key!r} holds {records[key].nbytes} bytes; the JSON bitsandbytes "
-                                        f"writes there is a few hundred (at most {MAX_STATE_BYTES}). {_RESAVE}")
-        found[head] = StoredWeight(head, name_of(quant_type, nested), {r: records[k] for r, k in roles.items()})
-    return found
+    def holding(self, module: nn.Module) -> QuantScheme | None:
+        if not _is_bnb(module, "Linear4bit", "LinearNF4", "LinearFP4"):
+            return None
+        state = getattr(module.weight, "quant_state", None)
+        if state is None:
+            return None
+        nested = state.original_nested if getattr(state, "packing_format_for_cpu", False) else state.nested
+        cls = _4bit_class(state.quant_type, nested)
+        if cls is None:
+            return None
+        return cls(blocksize=state.blocksize, quant_storage=getattr(module.weight, "quant_storage", torch.uint8))
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """What bitsandbytes' ``Linear4bit`` saves (weight, bias, then the packed quant state), without changing the
+        module: a weight bitsandbytes repacked for its CPU kernel is converted back on a copy."""
+        weight, state = module.weight.data, module.weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            weight, state = _unpacked_for_cpu(module, weight, state)
+        out = {"weight": weight}
+        if module.bias is not None:
+            out["bias"] = module.bias.data
+        out |= {f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}
+        return out
+
+    def transformers_config(self, scheme: QuantScheme, skip: list[str],
+                            compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+                "bnb_4bit_quant_type": scheme.quant_type, "bnb_4bit_use_double_quant": scheme.double_quant,
+                "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch."),
+                "bnb_4bit_quant_storage": str(scheme.quant_storage).removeprefix("torch."),
+                "llm_int8_skip_modules": skip or None}
+
+    def find_stored(self, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        """Every 4-bit weight of ``records``, known by its ``quant_state.bitsandbytes__*`` key; headers only."""
+        found = {}
+        for key in records:
+            head, sep, quant_type = key.rpartition(_STATE)
+            if not sep or not head.endswith(".weight") and head != "weight":
+                continue
+            roles = {"weight": head, "absmax": f"{head}.absmax", "quant_map": f"{head}.quant_map"}
+            nested = f"{head}.nested_absmax" in records
+            if nested:
+                roles |= {"nested_absmax": f"{head}.nested_absmax", "nested_quant_map": f"{head}.nested_quant_map"}
+            roles["quant_state"] = key
+            absent = [k for k in roles.values() if k not in records]
+            if absent:
+                raise CheckpointFormatError(
+                    f"{files}: the 4-bit weight {head!r} ({key!r}) lacks {', '.join(map(repr, absent))}, which "
+                    f"bitsandbytes stores beside it. {_RESAVE}")
+            if quant_type not in ("nf4", "fp4"):
+                raise CheckpointFormatError(f"{files}: {key!r} names the 4-bit type {quant_type!r}; bitsandbytes "
+                                            f"writes 'nf4' or 'fp4'. {_RESAVE}")
+            if records[key].nbytes > MAX_STATE_BYTES:  # read before any weight: bounded
+                raise CheckpointFormatError(f"{files}: {key!r} holds {records[key].nbytes} bytes; the JSON "
+                                            f"bitsandbytes writes there is a few hundred (at most {MAX_STATE_BYTES}). "
+                                            f"{_RESAVE}")
+            found[head] = StoredWeight(head, _4bit_class(quant_type, nested).name,
+                                       {r: records[k] for r, k in roles.items()})
+        return found
+
+    def resolve_stored(self, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        state = _resolve_4bit(stored, read)
+        try:
+            scheme = SCHEMES[stored.scheme_name](blocksize=state["blocksize"],
+                                                 quant_storage=stored.roles["weight"].dtype)
+        except ValueError as e:
+            raise CheckpointFormatError(f"{stored.where('quant_state')}: {e}") from e
+        _check_requested(stored, requested, scheme)
+        stored.scheme = scheme
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        """``Params4bit.from_prequantized`` on the stored tensors, as transformers loads them."""
+        from bitsandbytes.nn import Params4bit
+
+        try:
+            weight = Params4bit.from_prequantized(data=tensors["weight"], quantized_stats=_stats(stored, tensors),
+                                                  requires_grad=False, device=device, module=module)
+        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
+            raise CheckpointFormatError(f"{stored.where('quant_state')}: bitsandbytes cannot rebuild the quant "
+                                        f"state ({type(e).__name__}: {e}). {_RESAVE}") from e
+        module.weight = weight
+        module.quant_state = weight.quant_state
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        packed = tensors["weight"]
+        if packed.is_meta:
+            return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+        state = F.QuantState.from_dict(_stats(stored, tensors), device=packed.device)
+        return F.dequantize_4bit(packed, state)
 
 
-def resolve_4bit(stored: StoredWeight, read: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+def _4bit_class(quant_type: str, nested: bool) -> type[Bnb4bit] | None:
+    """The registered 4-bit scheme of ``quant_type`` (``"nf4"``, ``"fp4"``), with double quantization or not."""
+    return next((c for c in SCHEMES.values()
+                 if issubclass(c, Bnb4bit) and (c.quant_type, c.double_quant) == (quant_type, nested)), None)
+
+
+def _resolve_4bit(stored: StoredWeight, read: Callable[[str], torch.Tensor]) -> dict[str, Any]:
     """The weight's quant state (JSON), read and checked against its tensors' headers; sets shape and dtype."""
     where = stored.where("quant_state")
     state = _parse_state(read(stored.roles["quant_state"].key), where)
@@ -117,44 +195,6 @@ def resolve_4bit(stored: StoredWeight, read: Callable[[str], torch.Tensor]) -> d
     return state
 
 
-def load_4bit(module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-              device: torch.device) -> None:
-    """``Params4bit.from_prequantized`` on the stored tensors, as transformers loads them."""
-    from bitsandbytes.nn import Params4bit
-
-    try:
-        weight = Params4bit.from_prequantized(data=tensors["weight"], quantized_stats=_stats(stored, tensors),
-                                              requires_grad=False, device=device, module=module)
-    except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
-        raise CheckpointFormatError(f"{stored.where('quant_state')}: bitsandbytes cannot rebuild the quant state "
-                                    f"({type(e).__name__}: {e}). {_RESAVE}") from e
-    module.weight = weight
-    module.quant_state = weight.quant_state
-
-
-def dequantize_4bit(stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    import bitsandbytes.functional as F
-
-    packed = tensors["weight"]
-    if packed.is_meta:
-        return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
-    state = F.QuantState.from_dict(_stats(stored, tensors), device=packed.device)
-    return F.dequantize_4bit(packed, state)
-
-
-def state_dict_4bit(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What bitsandbytes' ``Linear4bit`` saves (weight, bias, then the packed quant state), without changing the
-    module: a weight bitsandbytes repacked for its CPU kernel is converted back on a copy."""
-    weight, state = module.weight.data, module.weight.quant_state
-    if getattr(state, "packing_format_for_cpu", False):
-        weight, state = _unpacked_for_cpu(module, weight, state)
-    out = {"weight": weight}
-    if module.bias is not None:
-        out["bias"] = module.bias.data
-    out |= {f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}
-    return out
-
-
 def _unpacked_for_cpu(module: nn.Module, weight: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
     """The weight and quant state as they were before bitsandbytes repacked them for its CPU kernel (a
     layer's first forward on a CPU with AVX512-bf16): the codes exactly, the scales rounded to bf16 there."""
@@ -162,7 +202,7 @@ def _unpacked_for_cpu(module: nn.Module, weight: torch.Tensor, state: Any) -> tu
 
     warnings.warn(f"A {type(module).__name__} has run a forward on CPU, where bitsandbytes repacked its weight and "
                   "rounded its scales to bf16; it is saved with those rounded scales (its codes are exact). Save "
-                  "before the first forward to keep the scales bit for bit.", UserWarning, stacklevel=5)
+                  "before the first forward to keep the scales bit for bit.", UserWarning, stacklevel=4)
     nested = state.original_nested
     weight, state = F._convert_weight_packed_for_cpu_inverse(weight, copy.copy(state))
     if not nested:  # bitsandbytes' inverse leaves these scales in its CPU layout: (in / blocksize, out) bf16
@@ -211,73 +251,93 @@ def _positive_int(state: dict[str, Any], field: str, where: str) -> int:
 
 # ---------------------------------------------------------------- 8-bit
 
-def find_8bit(records: Mapping[str, TensorRecord], name: str, files: str) -> dict[str, StoredWeight]:
-    """Every int8 weight of ``records``: an int8 ``P.weight`` with a ``P.SCB`` beside it; headers only."""
-    found = {}
-    for key, rec in records.items():
-        if not (key == "SCB" or key.endswith(".SCB")):
-            continue
-        prefix = key[: -len("SCB")]
-        weight = records.get(f"{prefix}weight")
-        if weight is None or weight.dtype != torch.int8:
+@register_layout(BnbInt8)
+class BnbInt8Layout(StoredLayout):
+    """``Linear8bitLt`` (LLM.int8()) as transformers saves it."""
+
+    def holding(self, module: nn.Module) -> QuantScheme | None:
+        if not _is_bnb(module, "Linear8bitLt") or module.state.has_fp16_weights:
+            return None
+        return BnbInt8(threshold=module.state.threshold) if module.weight.dtype == torch.int8 else None
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """What bitsandbytes' ``Linear8bitLt`` saves: weight, bias, row scales (kept in ``module.state`` after its
+        first forward) and the row-major format flag."""
+        scales = getattr(module.weight, "SCB", None)
+        scales = scales if scales is not None else module.state.SCB
+        out = {"weight": module.weight.data}
+        if module.bias is not None:
+            out["bias"] = module.bias.data
+        return out | {"SCB": scales, "weight_format": torch.tensor(0, dtype=torch.uint8, device=scales.device)}
+
+    def transformers_config(self, scheme: QuantScheme, skip: list[str],
+                            compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        return {"quant_method": "bitsandbytes", "load_in_4bit": False, "load_in_8bit": True,
+                "llm_int8_threshold": scheme.threshold, "llm_int8_skip_modules": skip or None}
+
+    def find_stored(self, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        """Every int8 weight of ``records``: an int8 ``P.weight`` with a ``P.SCB`` beside it; headers only."""
+        found = {}
+        for key, rec in records.items():
+            if not (key == "SCB" or key.endswith(".SCB")):
+                continue
+            prefix = key[: -len("SCB")]
+            weight = records.get(f"{prefix}weight")
+            if weight is None or weight.dtype != torch.int8:
+                raise CheckpointFormatError(
+                    f"{files}: {key!r} is the row scales of an int8 weight, but {prefix + 'weight'!r} is "
+                    f"{'not in the checkpoint' if weight is None else f'{weight.dtype}, not int8'}. {_RESAVE}")
+            roles = {"weight": weight, "SCB": rec}
+            if f"{prefix}weight_format" in records:
+                roles["weight_format"] = records[f"{prefix}weight_format"]
+            found[weight.key] = StoredWeight(weight.key, BnbInt8.name, roles)
+        return found
+
+    def resolve_stored(self, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        """Check the int8 weight's row scales (and format flag) against it; sets shape and dtype."""
+        weight, scales = stored.roles["weight"], stored.roles["SCB"]
+        if len(weight.shape) != 2 or scales.shape != weight.shape[:1] or scales.dtype != torch.float32:
             raise CheckpointFormatError(
-                f"{files}: {key!r} is the row scales of an int8 weight, but {prefix + 'weight'!r} is "
-                f"{'not in the checkpoint' if weight is None else f'{weight.dtype}, not int8'}. {_RESAVE}")
-        roles = {"weight": weight, "SCB": rec}
-        if f"{prefix}weight_format" in records:
-            roles["weight_format"] = records[f"{prefix}weight_format"]
-        found[weight.key] = StoredWeight(weight.key, name, roles)
-    return found
+                f"{stored.where('SCB')} is {scales.dtype} {list(scales.shape)}, but the int8 weight "
+                f"{stored.where('weight')} of shape {list(weight.shape)} needs float32 [{weight.shape[0]}] (one "
+                f"scale per row). {_RESAVE}")
+        flag = stored.roles.get("weight_format")
+        if flag is not None and (flag.numel != 1 or flag.dtype not in (torch.uint8, torch.int64, torch.int32)):
+            raise CheckpointFormatError(f"{stored.where('weight_format')} is {flag.dtype} {list(flag.shape)}, not "
+                                        f"the one-element format flag bitsandbytes writes. {_RESAVE}")
+        stored.shape, stored.dtype = tuple(weight.shape), torch.float32
+        # the threshold is not stored: it is a run option, the one asked for is used
+        stored.scheme = requested if isinstance(requested, BnbInt8) else BnbInt8()
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        from bitsandbytes.nn import Int8Params
+
+        flag = tensors.get("weight_format")
+        if flag is not None and int(flag.reshape(-1)[0]) != 0:
+            raise CheckpointFormatError(f"{stored.where('weight_format')} is {int(flag.reshape(-1)[0])}; "
+                                        "bitsandbytes reads only row-major int8 weights (0). Save it again with "
+                                        "bitsandbytes >= 0.45.")
+        weight = tensors["weight"].to(device)
+        module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
+                                   SCB=tensors["SCB"].to(device))
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        if tensors["weight"].is_meta:
+            return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+        return F.int8_vectorwise_dequant(tensors["weight"], tensors["SCB"])
 
 
-def resolve_8bit(stored: StoredWeight) -> None:
-    """Check the int8 weight's row scales (and format flag) against it; sets shape and dtype."""
-    weight, scales = stored.roles["weight"], stored.roles["SCB"]
-    if len(weight.shape) != 2 or scales.shape != weight.shape[:1] or scales.dtype != torch.float32:
-        raise CheckpointFormatError(
-            f"{stored.where('SCB')} is {scales.dtype} {list(scales.shape)}, but the int8 weight "
-            f"{stored.where('weight')} of shape {list(weight.shape)} needs float32 [{weight.shape[0]}] (one scale "
-            f"per row). {_RESAVE}")
-    flag = stored.roles.get("weight_format")
-    if flag is not None and (flag.numel != 1 or flag.dtype not in (torch.uint8, torch.int64, torch.int32)):
-        raise CheckpointFormatError(f"{stored.where('weight_format')} is {flag.dtype} {list(flag.shape)}, not the "
-                                    f"one-element format flag bitsandbytes writes. {_RESAVE}")
-    stored.shape, stored.dtype = tuple(weight.shape), torch.float32
+def _is_bnb(module: nn.Module, *names: str) -> bool:
+    """Whether ``module`` is one of bitsandbytes' module classes ``names`` (bitsandbytes is not imported)."""
+    return type(module).__name__ in names and type(module).__module__.startswith("bitsandbytes")
 
 
-def load_8bit(module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-              device: torch.device) -> None:
-    from bitsandbytes.nn import Int8Params
-
-    flag = tensors.get("weight_format")
-    if flag is not None and int(flag.reshape(-1)[0]) != 0:
-        raise CheckpointFormatError(f"{stored.where('weight_format')} is {int(flag.reshape(-1)[0])}; bitsandbytes "
-                                    "reads only row-major int8 weights (0). Save it again with bitsandbytes >= 0.45.")
-    weight = tensors["weight"].to(device)
-    module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
-                               SCB=tensors["SCB"].to(device))
-
-
-def dequantize_8bit(stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    import bitsandbytes.functional as F
-
-    if tensors["weight"].is_meta:
-        return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
-    return F.int8_vectorwise_dequant(tensors["weight"], tensors["SCB"])
-
-
-def state_dict_8bit(module: nn.Module) -> dict[str, torch.Tensor]:
-    """What bitsandbytes' ``Linear8bitLt`` saves: weight, bias, row scales (kept in ``module.state`` after its
-    first forward) and the row-major format flag."""
-    scales = getattr(module.weight, "SCB", None)
-    scales = scales if scales is not None else module.state.SCB
-    out = {"weight": module.weight.data}
-    if module.bias is not None:
-        out["bias"] = module.bias.data
-    return out | {"SCB": scales, "weight_format": torch.tensor(0, dtype=torch.uint8, device=scales.device)}
-
-
-def check_requested(stored: StoredWeight, requested: QuantScheme | None, scheme: QuantScheme) -> None:
+def _check_requested(stored: StoredWeight, requested: QuantScheme | None, scheme: QuantScheme) -> None:
     """A ``quantize=`` scheme object of the same name whose storage options differ from the file's is a mismatch."""
     if requested is not None and requested.name == scheme.name and requested != scheme:
         raise CheckpointMismatchError(

@@ -24,9 +24,10 @@ from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory.heap import release_free_heap, trim_after_first_forward
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quantize.layouts import layout_of
 from lightning_lowmem.quantize.nbytes import tensor_nbytes
 from lightning_lowmem.quantize.rows import RowSource
-from lightning_lowmem.quantize.schemes import QuantScheme, check_available
+from lightning_lowmem.quantize.schemes import check_available
 from lightning_lowmem.quantize.selection import Selection, as_linear
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Quantizer:
         if module_name in self._transposed:  # stored (in, out), as transformers' Conv1D holds it
             tensor = tensor.t().contiguous()
         self.bytes_before += tensor.nbytes
-        target.scheme.load_weight(owner, tensor)
+        target.scheme.transform.quantize(owner, tensor)
         self.bytes_after += tensor_nbytes(owner.weight)
         self.quantized[module_name] = target.scheme.name
         if module_name in self._requantize:
@@ -95,18 +96,18 @@ class Quantizer:
         module_name = self._modules[target.names[0]]
         owner = module.get_submodule(module_name)
         stored = target.stored
-        target.scheme.load_stored(owner, stored, {role: tensors[rec.key] for role, rec in stored.roles.items()},
-                                  target.device)
+        layout_of(target.scheme).load_stored(owner, stored, {role: tensors[rec.key] for role, rec in
+                                                             stored.roles.items()}, target.device)
         self.quantized[module_name] = self.prequantized[module_name] = target.scheme.name
         if target.device.type == "cpu":
             trim_after_first_forward(owner)
 
     def load_shard(self, target: Target, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
         """The ``index``-th of ``count`` row shards of the whole ``weight`` of ``target``, quantized
-        (:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.quantize_shard`); the caller copies it into place."""
+        (:meth:`~lightning_lowmem.quantize.schemes.Transform.quantize_shard`); the caller copies it into place."""
         module_name = self._modules[target.names[0]]
         self.bytes_before += weight.nbytes // count
-        shard = self.scheme.quantize_shard(weight, index, count)
+        shard = self.scheme.transform.quantize_shard(weight, index, count)
         self.bytes_after += tensor_nbytes(shard)
         self.quantized[module_name] = self.scheme.name
         release_free_heap()  # the whole weight and its temporaries went: give them back before the next
@@ -128,13 +129,14 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
     targets = {name: target for target in plan.targets for name in target.names}
     for checked in {scheme, *(targets[weight].scheme for weight in selection.chosen.values())}:
         check_available(checked, device)
+    built = scheme.transform.built
     for module_name, weight_name in selection.chosen.items():
         old = module.get_submodule(module_name)
-        if scheme.built(old):  # built before the load (before the model was sharded): kept as it is
+        if built(old):  # built before the load (before the model was sharded): kept as it is
             continue
         linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
         target = targets[weight_name]
-        new = target.scheme.replace(linear, target.dtype)
+        new = target.scheme.transform.replace(linear, target.dtype)
         if new is not old:
             parent, leaf = owner_of(module, module_name)
             setattr(parent, leaf, new)

@@ -1,16 +1,20 @@
-"""Quantization schemes: small frozen configs tied to their transform by a registry.
+"""Quantization schemes: small frozen configs, tied to their transforms by a registry.
 
-A scheme is a frozen dataclass, validated in ``__post_init__``, that knows
+As in torchao's ``quant_api`` (a config dataclass per workflow, a registry from config type to the
+function that applies it), a scheme is split in three, each tied to the config class by a registry:
 
-* whether its kernels exist on a device (:meth:`QuantScheme.unavailable_reason`),
-* whether it can take a given ``nn.Linear`` (:meth:`QuantScheme.layer_reason`),
-* which module stands in for that Linear on the meta device (:meth:`QuantScheme.replace`),
-* how to quantize a full-precision weight into that module (:meth:`QuantScheme.load_weight`),
-* its sizes: the bytes it stores for a weight (:meth:`QuantScheme.stored_nbytes`), what quantizing
-  holds meanwhile (:attr:`~QuantScheme.transient`), what its library costs to import and first call
-  (:attr:`~QuantScheme.library_bytes`) and what its largest layer holds in a first forward
-  (:attr:`~QuantScheme.first_forward`). The loader, the placement plan and the estimate all ask
-  the scheme object, so ``BnbNF4(blocksize=128)`` is counted with its own block size.
+* the **config** (this module's :class:`QuantScheme`): a frozen dataclass of the scheme's options,
+  validated in ``__post_init__``, that knows its sizes (:meth:`~QuantScheme.stored_nbytes`, what
+  quantizing holds meanwhile (:attr:`~QuantScheme.transient`), what its library costs to import and
+  first call (:attr:`~QuantScheme.library_bytes`), what its largest layer holds in a first forward
+  (:attr:`~QuantScheme.first_forward`)), which Linears it takes (:meth:`~QuantScheme.layer_reason`),
+  whether its kernels run on a device (:meth:`~QuantScheme.unavailable_reason`) and whether its weights
+  shard (:meth:`~QuantScheme.shard_reason`). The loader, the placement plan and the estimate all ask the
+  scheme object, so ``BnbNF4(blocksize=128)`` is counted with its own block size. :data:`SCHEMES` files
+  each config class under its ``quantize=`` spelling (:func:`register_scheme`).
+* its **transform** (:class:`Transform`, filed in :data:`TRANSFORMS` by :func:`register_transform`): the
+  module that takes a Linear's place and how a weight is quantized into it; ``scheme.transform``.
+* its library's **stored layout** (``layouts.py``): how a module of it is saved and read back.
 
 Bytes stored for an ``(out_features, in_features)`` weight of ``n`` elements:
 
@@ -37,13 +41,13 @@ library stores on CPU (bitsandbytes 0.50.2, torchao 0.18) by the tests.
 
 Under FSDP2 (parameters sharded by rows across ranks, see ``docs/many-ranks.md``) only a scheme
 with :attr:`~QuantScheme.shardable` works: its module is built before sharding
-(:meth:`~QuantScheme.replace` on the meta device), and each rank quantizes a whole weight and keeps
-its rows (:meth:`~QuantScheme.quantize_shard`). Of the registered schemes only ``torchao.nf4``
+(:meth:`Transform.replace` on the meta device), and each rank quantizes a whole weight and keeps
+its rows (:meth:`Transform.quantize_shard`). Of the registered schemes only ``torchao.nf4``
 does: bitsandbytes' ``Params4bit`` loses its ``quant_state`` under ``fully_shard``, and torchao's
 int8 and int4 tensors fail inside it (torch 2.13, torchao 0.18).
 
-:func:`register_scheme` files a class under its spelling in :data:`SCHEMES`; adding
-a scheme is adding a class (see ``bnb.py`` and ``torchao.py`` next to this file).
+Adding a scheme is adding a config class and a transform (see ``bnb.py`` and ``torchao.py`` next to this
+file), and for a new library a stored layout.
 
 Example::
 
@@ -52,20 +56,21 @@ Example::
     ['bnb.fp4', 'bnb.fp4-dq']
     >>> BnbNF4().stored_nbytes((4096, 4096)), BnbNF4(blocksize=128).stored_nbytes((4096, 4096))
     (9437248, 8912960)
+    >>> type(BnbNF4().transform).__name__
+    'Bnb4bitTransform'
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 from torch import nn
 
 from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
-from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.quantize.rows import RowSource
 
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -73,15 +78,15 @@ SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """Base class of every scheme. Subclasses are frozen dataclasses holding the scheme's options."""
+    """Base class of every scheme config. Subclasses are frozen dataclasses holding the scheme's options."""
 
     name: ClassVar[str] = ""
     """The spelling the scheme is registered under, e.g. ``"bnb.nf4"`` (set by :func:`register_scheme`)."""
     package: ClassVar[str] = ""
     """The pip package whose kernels the scheme uses."""
     by_rows: ClassVar[bool] = False
-    """Whether :meth:`load_weight` also takes a :class:`~lightning_lowmem.quantize.rows.RowSource`: the loader
-    then reads the weight a block of rows at a time, and the whole full-precision weight never exists."""
+    """Whether its transform also takes a :class:`~lightning_lowmem.quantize.rows.RowSource`: the loader then
+    reads the weight a block of rows at a time, and the whole full-precision weight never exists."""
     transient: ClassVar[float] = 0.0
     """Bytes per element quantized at once (one block of rows, or the whole weight) that quantizing holds
     beyond its input and its result (measured on CPU, see the scheme's module)."""
@@ -91,7 +96,7 @@ class QuantScheme:
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""
     shardable: ClassVar[bool] = False
-    """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`quantize_shard`."""
+    """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`Transform.quantize_shard`."""
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
@@ -113,135 +118,78 @@ class QuantScheme:
             return f"its weight is {dtype}, not floating point"
         return None
 
-    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
-        """The module that takes ``linear``'s place before its weight is read (weights on meta)."""
-        return linear
+    def shard_reason(self, shape: tuple[int, ...], count: int) -> str | None:
+        """Why a weight of ``shape`` cannot be split by rows into ``count`` shards, or None when it can."""
+        return f"{self.name!r} cannot be sharded"
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
-        """Quantize the full-precision ``weight`` into ``module`` (made by :meth:`replace`).
-
-        ``weight`` is a :class:`RowSource` only for schemes with :attr:`by_rows`. Must keep no
-        reference to ``weight``: the loader frees it before reading the next tensor.
-        """
-        raise NotImplementedError
-
-    # ---- saved and pre-quantized weights (``stored.py`` has the whole story)
-
-    @classmethod
-    def holding(cls, module: nn.Module) -> QuantScheme | None:
-        """The scheme of this class that ``module`` holds its weight in (with the options it was quantized
-        with), or None. Cheap for modules of other libraries."""
-        return None
-
-    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """What ``module`` (holding its weight in this scheme) saves, by names relative to the module, in the
-        layout transformers saves for the same library."""
-        raise NotImplementedError
-
-    @classmethod
-    def file_metadata(cls, modules: Mapping[str, tuple[QuantScheme, nn.Module]]) -> dict[str, str]:
-        """What a checkpoint file's metadata must say about the quantized ``modules`` (name -> scheme, module,
-        every quantized module of the model) for this class's library to read them back; nothing by default."""
-        return {}
-
-    @classmethod
-    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
-                    files: str) -> dict[str, StoredWeight]:
-        """The weights ``records`` hold already quantized in this class's library's layout, by key, from the
-        headers (and the file's metadata) alone; nothing is read."""
-        return {}
-
-    @classmethod
-    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
-                       requested: QuantScheme | None) -> None:
-        """Fill in ``stored.shape``, ``dtype`` and ``scheme`` and check its records against each other, reading
-        at most the few bytes the library keeps beside the weight (``read(key)``).
+    @property
+    def transform(self) -> Transform:
+        """How this scheme quantizes a weight: the :class:`Transform` registered for its class (or the nearest
+        base class) by :func:`register_transform`, bound to these options.
 
         Raises:
-            CheckpointFormatError: the stored parts do not fit together, naming the key.
-            CheckpointMismatchError: ``requested`` stores weights with other options than the file.
+            TypeError: no transform is registered for the scheme's class.
         """
-        raise NotImplementedError
+        for cls in type(self).__mro__:
+            transform = TRANSFORMS.get(cls)
+            if transform is not None:
+                return transform(self)
+        raise TypeError(f"Quantization scheme {self.name or type(self).__name__!r} has no transform: register a "
+                        f"Transform subclass for it with @register_transform({type(self).__name__}).")
 
-    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-                    device: torch.device) -> None:
-        """Put the stored ``tensors`` (by role, as read) into ``module`` (made by :meth:`replace`) on ``device``,
-        as they are."""
-        raise NotImplementedError
 
-    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The full-precision weight the stored ``tensors`` (by role) stand for; on meta, an empty one."""
-        raise NotImplementedError
+SchemeT = TypeVar("SchemeT", bound=QuantScheme)
 
-    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
-        """The ``quantization_config`` transformers reads a checkpoint of this scheme with, ``skip`` naming
-        the Linears kept in full precision; None when transformers cannot read it."""
-        return None
 
+class Transform(Generic[SchemeT]):
+    """How the weights of a scheme are made: the module that takes an ``nn.Linear``'s place before its weight
+    is read, and the quantization of the weight into it. Filed for config classes by :func:`register_transform`
+    and reached as ``scheme.transform``.
+
+    Args:
+        scheme: the config whose options it applies.
+    """
+
+    def __init__(self, scheme: SchemeT) -> None:
+        self.scheme = scheme
+
+    def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
+        """The module that takes ``linear``'s place before its weight is read (weights on meta); by default
+        ``linear`` itself."""
+        return linear
 
     def built(self, module: nn.Module) -> bool:
         """Whether ``module`` already is what :meth:`replace` makes (built before the model was sharded)."""
         return False
 
-    def shard_reason(self, shape: tuple[int, ...], count: int) -> str | None:
-        """Why a weight of ``shape`` cannot be split by rows into ``count`` shards, or None when it can."""
-        return f"{self.name!r} cannot be sharded"
+    def quantize(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+        """Quantize the full-precision ``weight`` into ``module`` (made by :meth:`replace`).
+
+        ``weight`` is a :class:`RowSource` only for schemes with :attr:`QuantScheme.by_rows`. Must keep no
+        reference to ``weight``: the loader frees it before reading the next tensor.
+        """
+        raise NotImplementedError
 
     def quantize_shard(self, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
         """The ``index``-th of ``count`` row shards of the whole ``weight`` quantized (schemes with
-        :attr:`shardable`): the whole weight is quantized, so that scales computed over all of it agree
-        on every rank, and the shard is cut out of the result as ``torch.chunk`` (and FSDP2) cut it."""
-        raise NotImplementedError
+        :attr:`~QuantScheme.shardable`): the whole weight is quantized, so that scales computed over all of it
+        agree on every rank, and the shard is cut out of the result as ``torch.chunk`` (and FSDP2) cut it."""
+        raise NotImplementedError(f"{self.scheme.name!r} cannot be sharded")
 
 
-@dataclass
-class StoredWeight:
-    """A weight a checkpoint holds already quantized, as its headers describe it.
-
-    Attributes:
-        key: the weight's name in the checkpoint (``<module>.weight``, before any key map); for torchao's
-            layout, which has no tensor of that name, the name its metadata gives it.
-        scheme_name: the scheme its layout says, from the keys (and metadata) alone.
-        roles: what each stored tensor is (``"weight"``, ``"absmax"``, ``"SCB"``, ``"qdata"``, ...) -> its record.
-        info: what the library keeps beside the tensors, parsed (a bitsandbytes quant state, torchao metadata).
-        shape: the weight's own shape, ``(out_features, in_features)``, once resolved.
-        dtype: the dtype it dequantizes to, once resolved.
-        scheme: the scheme object with the file's options, once resolved.
-    """
-
-    key: str
-    scheme_name: str
-    roles: dict[str, TensorRecord]
-    info: dict[str, Any] = field(default_factory=dict)
-    shape: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-    scheme: QuantScheme | None = None
-
-    @property
-    def parts(self) -> tuple[TensorRecord, ...]:
-        """The records read to load it, in the order of :attr:`roles`."""
-        return tuple(self.roles.values())
-
-    @property
-    def record(self) -> TensorRecord:
-        """A record of the weight itself (its own shape and dtype), named :attr:`key`."""
-        first = next(iter(self.roles.values()))
-        return TensorRecord(self.key, self.shape or (), self.dtype or first.dtype, first.file)
-
-    def where(self, role: str) -> str:
-        """``'<key>' in <file>``, for messages."""
-        rec = self.roles[role]
-        return f"{rec.key!r} in {rec.file}"
-
-
-SchemeT = TypeVar("SchemeT", bound=type[QuantScheme])
+SchemeClassT = TypeVar("SchemeClassT", bound=type[QuantScheme])
+TransformClassT = TypeVar("TransformClassT", bound=type[Transform])
 
 SCHEMES: dict[str, type[QuantScheme]] = {}
-"""Spelling -> scheme class. Filled by :func:`register_scheme`."""
+"""Spelling -> scheme config class. Filled by :func:`register_scheme`."""
+
+TRANSFORMS: dict[type[QuantScheme], type[Transform]] = {}
+"""Scheme config class -> its transform. Filled by :func:`register_transform`; a subclass without its own
+uses its nearest base class's."""
 
 
-def register_scheme(name: str) -> Callable[[SchemeT], SchemeT]:
-    """Class decorator: file a scheme under ``name`` (its ``quantize=`` spelling).
+def register_scheme(name: str) -> Callable[[SchemeClassT], SchemeClassT]:
+    """Class decorator: file a scheme config under ``name`` (its ``quantize=`` spelling).
 
     Example::
 
@@ -254,11 +202,41 @@ def register_scheme(name: str) -> Callable[[SchemeT], SchemeT]:
         >>> del SCHEMES["mylib.int8"]  # only so that this example leaves the registry as it found it
     """
 
-    def decorate(cls: SchemeT) -> SchemeT:
+    def decorate(cls: SchemeClassT) -> SchemeClassT:
         if name in SCHEMES and SCHEMES[name] is not cls:
             raise ValueError(f"Quantization scheme {name!r} is already registered by {SCHEMES[name].__qualname__}.")
         cls.name = name
         SCHEMES[name] = cls
+        return cls
+
+    return decorate
+
+
+def register_transform(*schemes: type[QuantScheme]) -> Callable[[TransformClassT], TransformClassT]:
+    """Class decorator: file a :class:`Transform` as the transform of the config classes ``schemes`` (and of
+    their subclasses that have none of their own), as torchao's ``register_quantize_module_handler`` does.
+
+    Example::
+
+        >>> @dataclass(frozen=True)
+        ... class Half(QuantScheme):
+        ...     package: ClassVar[str] = "torch"
+        >>> @register_transform(Half)
+        ... class HalfTransform(Transform[Half]):
+        ...     def quantize(self, module, weight):
+        ...         module.weight = nn.Parameter(weight.to(torch.float16), requires_grad=False)
+        >>> linear = nn.Linear(2, 2)
+        >>> Half().transform.quantize(linear, torch.ones(2, 2))
+        >>> linear.weight.dtype
+        torch.float16
+        >>> del TRANSFORMS[Half]  # only so that this example leaves the registry as it found it
+    """
+
+    def decorate(cls: TransformClassT) -> TransformClassT:
+        for scheme in schemes:
+            if TRANSFORMS.get(scheme, cls) is not cls:
+                raise ValueError(f"{scheme.__qualname__} already has the transform {TRANSFORMS[scheme].__qualname__}.")
+        TRANSFORMS.update(dict.fromkeys(schemes, cls))
         return cls
 
     return decorate
@@ -297,22 +275,6 @@ def parse_scheme(quantize: str | QuantScheme | None) -> QuantScheme | None:
         return make_scheme(quantize)
     raise TypeError(f"quantize must be a scheme name such as 'bnb.nf4' or a QuantScheme, "
                     f"got {type(quantize).__name__}: {quantize!r}.")
-
-
-def library_classes(method: str) -> list[type[QuantScheme]]:
-    """One registered class per distinct implementation of the classmethod ``method`` (one per library layout).
-
-    Example::
-
-        >>> [cls.__name__ for cls in library_classes("find_stored")]
-        ['BnbNF4', 'BnbInt8', 'TorchaoInt8WeightOnly']
-    """
-    seen: dict[object, type[QuantScheme]] = {}
-    for cls in SCHEMES.values():
-        function = getattr(cls, method).__func__
-        if function is not getattr(QuantScheme, method).__func__:
-            seen.setdefault(function, cls)
-    return list(seen.values())
 
 
 def schemes_available_on(device: torch.device) -> list[str]:

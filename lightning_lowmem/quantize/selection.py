@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quantize.layouts import scheme_of
 from lightning_lowmem.quantize.schemes import QuantScheme
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "lm_head.linear", "*.lm_head.linear")
@@ -137,8 +138,9 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
     output_head = _output_embeddings(module) if skip is None else None
     patterns = DEFAULT_SKIP if skip is None else skip
     selection = Selection(scheme)
+    built = scheme.transform.built
     for name, mod in module.named_modules():
-        linear, transposed = (mod, False) if scheme.built(mod) else as_linear(mod)
+        linear, transposed = (mod, False) if built(mod) else as_linear(mod)
         if linear is None:
             continue
         weight_name = f"{name}.weight" if name else "weight"
@@ -160,7 +162,7 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
 def _warn_nothing_chosen(module: nn.Module, scheme: QuantScheme, selection: Selection) -> None:
     """A ``quantize=`` that quantizes nothing says so, and what the module is made of; not when the module
     already holds layers quantized by the scheme's library (a load of adapters into a quantized model)."""
-    if any(type(scheme).holding(m) is not None for m in module.modules()):
+    if any(isinstance(scheme_of(m), type(scheme)) for m in module.modules()):
         return
     kinds = Counter(type(m).__name__ for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
     seen = format_names((f"{kind} x {n}" for kind, n in kinds.most_common()), quote=False)

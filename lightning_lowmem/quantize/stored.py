@@ -11,8 +11,9 @@
     selection = mark_stored(module, plan, stored)
         # its Linear takes the scheme's module; the loader hands it the parts as they are read
 
-Each scheme knows its own layout (``QuantScheme.find_stored``, ``resolve_stored``, ``load_stored``); this
-module asks every library once. A tensor built from stored weights (an HF checkpoint's q, k and v fused
+Each library's stored layout (``layouts.py``: ``StoredLayout.find_stored``, ``resolve_stored``,
+``load_stored``) knows its own tensors; this module asks every registered layout once, with no branch per
+scheme. A tensor built from stored weights (an HF checkpoint's q, k and v fused
 into litgpt's ``qkv``) is built from their dequantized values and quantized again in the same scheme,
 one tensor at a time (:meth:`StoredWeights.expand`); the report lists it as requantized.
 """
@@ -28,7 +29,8 @@ from torch import nn
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.plan import Combine, LoadPlan, Target, records_as_themselves
-from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, library_classes
+from lightning_lowmem.quantize.layouts import LAYOUTS, StoredWeight, layout_of
+from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme
 from lightning_lowmem.quantize.selection import Selection
 
 FULL_PRECISION = "stored in full precision in the checkpoint"
@@ -73,7 +75,7 @@ class StoredWeights:
             inputs = {}
             for key in combine.sources[name]:
                 w = weights.get(key)
-                inputs[key] = tensors[key] if w is None else w.scheme.dequantize_stored(
+                inputs[key] = tensors[key] if w is None else layout_of(w.scheme).dequantize_stored(
                     w, {role: tensors[rec.key] for role, rec in w.roles.items()})
             return fn(name, inputs)
 
@@ -102,14 +104,14 @@ def find_stored(records: Mapping[str, TensorRecord], metadata: Mapping[str, str]
         UnsupportedQuantizationError: a stored layout no scheme here reads.
     """
     found: dict[str, StoredWeight] = {}
-    for cls in library_classes("find_stored"):
-        found.update(cls.find_stored(records, metadata, files))
+    for layout in LAYOUTS:
+        found.update(layout.find_stored(records, metadata, files))
     _check_agrees(found, requested, files)
     for weight in found.values():
         if read is None and "quant_state" in weight.roles:
             raise ValueError(f"{files} holds {weight.key!r} quantized with its state in a tensor; pass the checkpoint "
                              "itself (a path or an open Checkpoint), not its records.")
-        SCHEMES[weight.scheme_name].resolve_stored(weight, read, requested)
+        layout_of(SCHEMES[weight.scheme_name]).resolve_stored(weight, read, requested)
     return StoredWeights(found, files)
 
 
@@ -123,21 +125,6 @@ def _check_agrees(found: dict[str, StoredWeight], requested: QuantScheme | None,
         f"but quantize={requested.name!r} was asked for; nothing was read. A pre-quantized checkpoint loads as it "
         f"was saved: pass quantize=None (or {held[0]!r}), or load a full-precision checkpoint to quantize it "
         f"with {requested.name!r}.")
-
-
-def scheme_of(module: nn.Module) -> QuantScheme | None:
-    """The scheme ``module`` holds its weight in (asked of every registered scheme), or None.
-
-    Example::
-
-        >>> scheme_of(nn.Linear(4, 4)) is None
-        True
-    """
-    for cls in SCHEMES.values():
-        scheme = cls.holding(module)
-        if scheme is not None:
-            return scheme
-    return None
 
 
 def mark_stored(module: nn.Module, plan: LoadPlan, stored: StoredWeights) -> Selection:

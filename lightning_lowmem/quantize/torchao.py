@@ -28,127 +28,37 @@ model is sharded; each rank quantizes a whole weight and keeps its rows. Quantiz
 8192 x 2048 weight by blocks of rows held 42-72 MiB above the bf16 weight (torchao's ``to_nf4`` on
 the whole weight: 134-143 MiB); its forward holds 16.5 bytes per weight element (a dequantized copy
 made through int64 codes).
+
+The configs are frozen dataclasses; :class:`TorchaoTransform` and :class:`TorchaoNF4Transform` are their
+transforms. How int8 weights are saved and read back: ``torchao_layout.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.quantize import torchao_layout as layout
 from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_nbytes, quantize_rows
 from lightning_lowmem.quantize.rows import RowSource, map_rows
-from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme, StoredWeight, register_scheme
+from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
 
 @dataclass(frozen=True)
 class TorchaoScheme(QuantScheme):
-    """Shared by the torchao schemes: build the config, apply ``quantize_`` to one Linear.
-
-    Schemes with :attr:`by_rows` (one scale per output row) apply it to blocks of rows and
-    join the pieces into the tensor ``quantize_`` makes of the whole weight.
-    """
+    """Shared by the torchao schemes applied with ``quantize_``: each names the torchao config it stands for."""
 
     package: ClassVar[str] = "torchao"
     transient: ClassVar[float] = 12.0
     library_bytes: ClassVar[int] = 25 * 2**20
 
-    def config(self, device: torch.device) -> Any:
+    def torchao_config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
         raise NotImplementedError
-
-    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
-        from torchao.quantization import quantize_
-
-        if self.by_rows:
-            source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
-            module.weight = nn.Parameter(self._quantize_by_rows(source), requires_grad=False)
-            return
-        module.weight = nn.Parameter(weight.whole() if isinstance(weight, RowSource) else weight, requires_grad=False)
-        quantize_(module, self.config(module.weight.device))
-
-    def _quantize_by_rows(self, weight: RowSource) -> torch.Tensor:
-        """The tensor subclass ``quantize_`` makes of the whole weight, made a block of rows at a time.
-
-        Each block goes through ``quantize_`` on a Linear of its own; the block's inner tensors
-        (``__tensor_flatten__``: int8 codes, per-row scales and zero points) are written into
-        whole-weight ones, and the subclass is rebuilt around them with its own ``__tensor_unflatten__``.
-        """
-        from torchao.quantization import quantize_
-
-        config = self.config(weight.device)
-        made: dict[str, Any] = {}
-
-        def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
-            with torch.device("meta"):
-                block = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
-            block.weight = nn.Parameter(rows, requires_grad=False)
-            quantize_(block, config)
-            names, context = block.weight.__tensor_flatten__()
-            made.update(cls=type(block.weight), names=names, context=context)
-            return [getattr(block.weight, name) for name in names]
-
-        inner = map_rows(weight, quantize, lengths=weight.shape[0])
-        return made["cls"].__tensor_unflatten__(dict(zip(made["names"], inner, strict=True)), made["context"],
-                                                torch.Size(weight.shape), (weight.shape[1], 1))
-
-    # ---- saved and pre-quantized weights: torchao's safetensors flattening (torchao_layout.py)
-
-    stored_type: ClassVar[str] = ""
-    """The torchao tensor subclass this scheme's weights are (``"Int8Tensor"``); empty: none is read as stored."""
-    activations_quantized: ClassVar[bool] = False
-
-    @classmethod
-    def holding(cls, module: nn.Module) -> QuantScheme | None:
-        weight = getattr(module, "weight", None)
-        if not cls.stored_type or type(weight).__name__ != cls.stored_type \
-                or not type(weight).__module__.startswith("torchao"):
-            return None
-        return cls() if (getattr(weight, "act_quant_kwargs", None) is not None) == cls.activations_quantized else None
-
-    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return layout.state_dict_torchao(module)
-
-    @classmethod
-    def file_metadata(cls, modules: Mapping[str, tuple[QuantScheme, nn.Module]]) -> dict[str, str]:
-        return layout.file_metadata({f"{name}.weight": module.weight for name, (scheme, module) in modules.items()
-                                     if isinstance(scheme, TorchaoScheme)})
-
-    @classmethod
-    def find_stored(cls, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
-                    files: str) -> dict[str, StoredWeight]:
-        def claim(kind: str, activations_quantized: bool) -> str | None:
-            return next((name for name, c in SCHEMES.items() if issubclass(c, TorchaoScheme) and c.stored_type
-                         and (c.stored_type, c.activations_quantized) == (kind, activations_quantized)), None)
-
-        return layout.find_torchao(records, metadata, claim, files)
-
-    @classmethod
-    def resolve_stored(cls, stored: StoredWeight, read: Callable[[str], torch.Tensor],
-                       requested: QuantScheme | None) -> None:
-        layout.resolve_torchao(stored)
-        stored.scheme = SCHEMES[stored.scheme_name]()
-
-    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-                    device: torch.device) -> None:
-        layout.load_torchao(module, stored, tensors, device)
-
-    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return layout.dequantize_torchao(stored, tensors)
-
-    def transformers_config(self, skip: list[str], compute_dtype: torch.dtype) -> dict[str, Any] | None:
-        from torchao.core.config import config_to_dict
-
-        return {"quant_method": "torchao", "quant_type": {"default": config_to_dict(self.config(torch.device("cpu")))},
-                "quant_type_kwargs": {}, "modules_to_not_convert": skip or None,
-                "include_input_output_embeddings": False, "untie_embedding_weights": False}
 
 
 @register_scheme("torchao.int8wo")
@@ -157,13 +67,12 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
     """int8 weights, one scale per output row; activations stay in full precision."""
 
     by_rows: ClassVar[bool] = True
-    stored_type: ClassVar[str] = "Int8Tensor"
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""
         return math.prod(shape) + 5 * shape[0]
 
-    def config(self, device: torch.device) -> Any:
+    def torchao_config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
 
         return Int8WeightOnlyConfig()
@@ -175,14 +84,12 @@ class TorchaoInt8Dynamic(TorchaoScheme):
     """int8 weights (per row) and activations quantized to int8 per token at run time."""
 
     by_rows: ClassVar[bool] = True
-    stored_type: ClassVar[str] = "Int8Tensor"
-    activations_quantized: ClassVar[bool] = True
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""
         return math.prod(shape) + 5 * shape[0]
 
-    def config(self, device: torch.device) -> Any:
+    def torchao_config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
         return Int8DynamicActivationInt8WeightConfig()
@@ -234,7 +141,7 @@ class TorchaoInt4WeightOnly(TorchaoScheme):
             return f"in_features={linear.in_features} is not a multiple of group_size={self.group_size}"
         return None
 
-    def config(self, device: torch.device) -> Any:
+    def torchao_config(self, device: torch.device) -> Any:
         from torchao.quantization import Int4WeightOnlyConfig
         from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
@@ -249,8 +156,9 @@ class TorchaoNF4(QuantScheme):
 
     Each chosen Linear becomes an :class:`~lightning_lowmem.quantize.nf4.NF4Linear` (frozen, 4-bit weight;
     its forward dequantizes to the input's dtype). On one device the whole weight is quantized; under FSDP2
-    each rank quantizes the whole weight's scales and keeps its rows (:meth:`quantize_shard`), which gives
-    the same numbers as quantizing on one device and sharding after.
+    each rank quantizes the whole weight's scales and keeps its rows
+    (:meth:`TorchaoNF4Transform.quantize_shard`), which gives the same numbers as quantizing on one device
+    and sharding after.
 
     Attributes:
         block_size: weights per int8 scale.
@@ -292,15 +200,66 @@ class TorchaoNF4(QuantScheme):
             return f"its {math.prod(shape) // unit} blocks of {unit} weights do not split evenly into {count} shards"
         return None
 
+
+@register_transform(TorchaoScheme)
+class TorchaoTransform(Transform[TorchaoScheme]):
+    """``quantize_`` with the scheme's torchao config, applied to the one Linear whose weight arrived; torchao
+    keeps ``nn.Linear`` and swaps its weight for a tensor subclass, so nothing is replaced before the load.
+
+    Schemes with :attr:`~QuantScheme.by_rows` (one scale per output row) apply it to blocks of rows and join
+    the pieces into the tensor ``quantize_`` makes of the whole weight.
+    """
+
+    def quantize(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+        from torchao.quantization import quantize_
+
+        if self.scheme.by_rows:
+            source = weight if isinstance(weight, RowSource) else RowSource.of(weight)
+            module.weight = nn.Parameter(self._quantize_by_rows(source), requires_grad=False)
+            return
+        module.weight = nn.Parameter(weight.whole() if isinstance(weight, RowSource) else weight, requires_grad=False)
+        quantize_(module, self.scheme.torchao_config(module.weight.device))
+
+    def _quantize_by_rows(self, weight: RowSource) -> torch.Tensor:
+        """The tensor subclass ``quantize_`` makes of the whole weight, made a block of rows at a time.
+
+        Each block goes through ``quantize_`` on a Linear of its own; the block's inner tensors
+        (``__tensor_flatten__``: int8 codes, per-row scales and zero points) are written into
+        whole-weight ones, and the subclass is rebuilt around them with its own ``__tensor_unflatten__``.
+        """
+        from torchao.quantization import quantize_
+
+        config = self.scheme.torchao_config(weight.device)
+        made: dict[str, Any] = {}
+
+        def quantize(rows: torch.Tensor) -> list[torch.Tensor]:
+            with torch.device("meta"):
+                block = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+            block.weight = nn.Parameter(rows, requires_grad=False)
+            quantize_(block, config)
+            names, context = block.weight.__tensor_flatten__()
+            made.update(cls=type(block.weight), names=names, context=context)
+            return [getattr(block.weight, name) for name in names]
+
+        inner = map_rows(weight, quantize, lengths=weight.shape[0])
+        return made["cls"].__tensor_unflatten__(dict(zip(made["names"], inner, strict=True)), made["context"],
+                                                torch.Size(weight.shape), (weight.shape[1], 1))
+
+
+@register_transform(TorchaoNF4)
+class TorchaoNF4Transform(Transform[TorchaoNF4]):
+    """An :class:`~lightning_lowmem.quantize.nf4.NF4Linear` in the Linear's place, built on meta (before the model
+    is sharded, under FSDP2); the whole weight quantized, and a rank's rows kept (:meth:`quantize_shard`)."""
+
     def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
-        return NF4Linear.on_meta(linear, dtype, self.block_size, self.scaler_block_size)
+        return NF4Linear.on_meta(linear, dtype, self.scheme.block_size, self.scheme.scaler_block_size)
 
     def built(self, module: nn.Module) -> bool:
         return isinstance(module, NF4Linear)
 
-    def load_weight(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
+    def quantize(self, module: nn.Module, weight: torch.Tensor | RowSource) -> None:
         whole = weight.whole() if isinstance(weight, RowSource) else weight
         module.weight = nn.Parameter(self.quantize_shard(whole, 0, 1), requires_grad=False)
 
     def quantize_shard(self, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
-        return quantize_rows(weight.contiguous(), index, count, self.block_size, self.scaler_block_size)
+        return quantize_rows(weight.contiguous(), index, count, self.scheme.block_size, self.scheme.scaler_block_size)

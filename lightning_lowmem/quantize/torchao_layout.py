@@ -10,6 +10,7 @@ stores a quantized weight ``P.weight`` as its inner tensors (``__tensor_flatten_
   "_tensor_data_names": [...]}``, written by torchao's ``TensorSubclassAttributeJSONEncoder``;
 * metadata ``tensor_names``: the JSON list of those weights, the same in every file of a sharded set.
 
+:class:`TorchaoLayout` is this layout, filed for ``torchao.int8wo`` and ``torchao.int8dq`` (``torchao.py``).
 Loading rebuilds the tensor subclass with torchao's ``object_from_dict`` (which builds only the classes
 torchao allows) around the inner tensors as read; nothing is quantized again.
 """
@@ -26,18 +27,68 @@ from torch import nn
 
 from lightning_lowmem.errors import CheckpointFormatError, UnsupportedQuantizationError
 from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.quantize.schemes import StoredWeight
+from lightning_lowmem.quantize.layouts import StoredLayout, StoredWeight, register_layout
+from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme
+from lightning_lowmem.quantize.torchao import TorchaoInt8Dynamic, TorchaoInt8WeightOnly, TorchaoScheme
 
 _FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _RESAVE = "The checkpoint is damaged or was not written by torchao/transformers: download or save it again."
+_STORED: dict[tuple[str, bool], type[TorchaoScheme]] = {
+    ("Int8Tensor", False): TorchaoInt8WeightOnly,
+    ("Int8Tensor", True): TorchaoInt8Dynamic,
+}
+"""(torchao tensor subclass, activations quantized) -> the scheme whose weights it is; the others are not read."""
+
+
+@register_layout(*_STORED.values())
+class TorchaoLayout(StoredLayout):
+    """torchao's tensor subclasses flattened into safetensors, as transformers saves them."""
+
+    def holding(self, module: nn.Module) -> QuantScheme | None:
+        weight = getattr(module, "weight", None)
+        if not type(weight).__module__.startswith("torchao"):
+            return None
+        cls = _STORED.get((type(weight).__name__, getattr(weight, "act_quant_kwargs", None) is not None))
+        return cls() if cls is not None else None
+
+    def state_dict_of(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return state_dict_torchao(module)
+
+    def file_metadata(self, modules: Mapping[str, nn.Module]) -> dict[str, str]:
+        return file_metadata({f"{name}.weight": module.weight for name, module in modules.items()})
+
+    def transformers_config(self, scheme: QuantScheme, skip: list[str],
+                            compute_dtype: torch.dtype) -> dict[str, Any] | None:
+        from torchao.core.config import config_to_dict
+
+        config = config_to_dict(scheme.torchao_config(torch.device("cpu")))
+        return {"quant_method": "torchao", "quant_type": {"default": config}, "quant_type_kwargs": {},
+                "modules_to_not_convert": skip or None, "include_input_output_embeddings": False,
+                "untie_embedding_weights": False}
+
+    def find_stored(self, records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
+                    files: str) -> dict[str, StoredWeight]:
+        return find_torchao(records, metadata, files)
+
+    def resolve_stored(self, stored: StoredWeight, read: Callable[[str], torch.Tensor],
+                       requested: QuantScheme | None) -> None:
+        resolve_torchao(stored)
+        stored.scheme = SCHEMES[stored.scheme_name]()
+
+    def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
+                    device: torch.device) -> None:
+        module.weight = nn.Parameter(build(stored, tensors, device), requires_grad=False)
+
+    def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        first = next(iter(tensors.values()))
+        if first.is_meta:
+            return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
+        return build(stored, tensors, first.device).dequantize()
 
 
 def find_torchao(records: Mapping[str, TensorRecord], metadata: Mapping[str, str],
-                 claim: Callable[[str, bool], str | None], files: str) -> dict[str, StoredWeight]:
-    """The torchao weights the metadata's ``tensor_names`` lists, with their inner tensors' records; headers only.
-
-    ``claim(subclass name, activations quantized)`` is the scheme's name, or None when no scheme reads it.
-    """
+                 files: str) -> dict[str, StoredWeight]:
+    """The torchao weights the metadata's ``tensor_names`` lists, with their inner tensors' records; headers only."""
     if "tensor_names" not in metadata:
         return {}
     found = {}
@@ -47,12 +98,13 @@ def find_torchao(records: Mapping[str, TensorRecord], metadata: Mapping[str, str
         if kind in ("Tensor", "torch.Tensor"):
             continue  # a full-precision tensor, stored as itself
         data = info.get("_data")
-        scheme_name = claim(kind, isinstance(data, dict) and data.get("act_quant_kwargs") is not None)
-        if scheme_name is None:
+        quantized_activations = isinstance(data, dict) and data.get("act_quant_kwargs") is not None
+        scheme = _STORED.get((kind, quantized_activations)) if isinstance(kind, str) else None
+        if scheme is None:
             raise UnsupportedQuantizationError(
                 f"{files} holds {name!r} as a torchao {kind!r}; lightning_lowmem loads torchao's Int8Tensor "
                 "(torchao.int8wo, torchao.int8dq) as stored. Load it with transformers, or save it as one of those.")
-        found[name] = StoredWeight(name, scheme_name, _roles(name, info, records, files), info=info)
+        found[name] = StoredWeight(name, scheme.name, _roles(name, info, records, files), info=info)
     return found
 
 
@@ -92,18 +144,6 @@ def build(stored: StoredWeight, tensors: Mapping[str, torch.Tensor], device: tor
         raise CheckpointFormatError(f"metadata {stored.key!r}: torchao built a {type(weight).__name__} of shape "
                                     f"{list(weight.shape)}, not a {info['_type']} {list(stored.shape)}. {_RESAVE}")
     return weight
-
-
-def load_torchao(module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
-                 device: torch.device) -> None:
-    module.weight = nn.Parameter(build(stored, tensors, device), requires_grad=False)
-
-
-def dequantize_torchao(stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    first = next(iter(tensors.values()))
-    if first.is_meta:
-        return torch.empty(stored.shape, dtype=stored.dtype, device="meta")
-    return build(stored, tensors, first.device).dequantize()
 
 
 def state_dict_torchao(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,11 +10,21 @@ from __future__ import annotations
 import copy
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
-from lightning_lowmem import dispatch, enable_offload, layer_offload, placement_plan, sequential_offload
+from lightning_lowmem import (
+    dispatch,
+    enable_offload,
+    init_empty,
+    layer_offload,
+    load_checkpoint,
+    placement_plan,
+    sequential_offload,
+)
 from lightning_lowmem.placement import offloaded
+from lightning_lowmem.quantize import module_nbytes, tensor_nbytes
 
 
 @pytest.fixture
@@ -108,6 +118,28 @@ def test_sequential_offload_of_a_text_encoder_equals_resident():
     assert handle.stats.resident_bytes == 0
     assert handle.stats.max_resident_bytes == handle.offloaded_bytes  # the whole encoder, once
     assert handle.stats.prefetch_hits == 0
+
+
+@pytest.mark.parametrize("scheme", ["torchao.int8wo", "bnb.int8"])
+def test_offloaded_bytes_of_a_quantized_module_are_what_it_holds(tmp_path, scheme):
+    # a torchao weight is a tensor subclass whose outer dtype is bf16: counted as numel x 2 it was 525,312 bytes
+    # here, where its int8 codes, scales and zero points (and the bias) hold 265,728
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"0.weight": torch.randn(512, 512), "0.bias": torch.zeros(512)}, path)
+    with init_empty():
+        model = nn.Sequential(nn.Linear(512, 512))
+    load_checkpoint(model, path, dtype=torch.bfloat16, quantize=scheme, progress=False)
+    x = torch.randn(2, 512, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+    handle = sequential_offload(model, "cpu")
+    with torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, expected)
+    held = sum(tensor_nbytes(master) for master in handle.weights[""].masters)
+    assert handle.offloaded_bytes == held == handle.stats.max_resident_bytes
+    if scheme.startswith("torchao"):
+        assert handle.offloaded_bytes == module_nbytes(model) == 512 * 512 + 5 * 512 + 2 * 512
 
 
 def test_dispatch_offloads_exactly_the_layers_the_plan_put_on_the_cpu(gpt):

@@ -12,14 +12,19 @@ from torch import nn
 from lightning_lowmem import Checkpoint, UnsupportedQuantizationError, init_empty, load_checkpoint
 from lightning_lowmem.plan import make_plan
 from lightning_lowmem.quantize import (
+    LAYOUTS,
     SCHEMES,
+    TRANSFORMS,
     BnbInt8,
     BnbNF4,
     QuantScheme,
     TorchaoInt4WeightOnly,
+    Transform,
+    layout_of,
     make_scheme,
     prepare_quantization,
     register_scheme,
+    register_transform,
     select_linears,
 )
 
@@ -86,21 +91,50 @@ def test_scheme_configs_are_validated_frozen_and_registered():
         register_scheme("bnb.nf4")(BnbInt8)
 
 
-def test_a_new_scheme_is_a_new_class(quant_checkpoint, quant_load, quant_linears):
+def test_a_new_scheme_is_a_config_and_a_transform(quant_checkpoint, quant_load, quant_linears):
     @dataclasses.dataclass(frozen=True)
     class HalfPrecision(QuantScheme):  # not quantization, but it exercises the protocol end to end
         package = "torch"
 
-        def load_weight(self, module: nn.Module, weight: torch.Tensor) -> None:
+    class HalfTransform(Transform[HalfPrecision]):
+        def quantize(self, module: nn.Module, weight: torch.Tensor) -> None:
             module.weight = nn.Parameter(weight.to(torch.float16), requires_grad=False)
 
     register_scheme("test.fp16")(HalfPrecision)
+    register_transform(HalfPrecision)(HalfTransform)
     try:
         model, report = quant_load(quant_checkpoint, quantize="test.fp16")
     finally:
-        del SCHEMES["test.fp16"]
+        del SCHEMES["test.fp16"], TRANSFORMS[HalfPrecision]
     assert set(report.quantized) == quant_linears()
     assert model.transformer.h[0].mlp.fc.weight.dtype == torch.float16 and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_a_scheme_without_a_transform_fails_before_any_read(quant_checkpoint, quant_config, meta_gpt, read_recorder):
+    @dataclasses.dataclass(frozen=True)
+    class NoTransform(QuantScheme):
+        package = "torch"
+
+    model = meta_gpt(quant_config)
+    with pytest.raises(TypeError, match=r"has no transform.*@register_transform\(NoTransform\)"):
+        load_checkpoint(model, quant_checkpoint, dtype=torch.bfloat16, quantize=NoTransform())
+    assert read_recorder.keys == []
+
+
+def test_every_registered_scheme_has_its_transform_and_its_library_one_layout():
+    for name, cls in SCHEMES.items():
+        assert isinstance(cls().transform, Transform), name
+        assert cls().transform.scheme == cls()
+    # a subclass of a registered config inherits its transform and layout
+    assert type(BnbNF4(blocksize=128).transform) is type(BnbNF4().transform)
+    assert {layout_of(SCHEMES[name]) for name in ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq")} \
+        == {layout_of(BnbNF4)}
+    assert layout_of(BnbInt8) is not layout_of(BnbNF4)
+    assert layout_of(SCHEMES["torchao.int8wo"]) is layout_of(SCHEMES["torchao.int8dq"])
+    assert layout_of(SCHEMES["torchao.nf4"]) is None and layout_of(TorchaoInt4WeightOnly) is None
+    assert len(LAYOUTS) == len({id(layout) for layout in LAYOUTS}) == 3
+    with pytest.raises(ValueError, match="already has the transform"):
+        register_transform(BnbInt8)(type("Other", (Transform,), {}))  # BnbInt8 has its own
 
 
 def test_unknown_scheme_fails_before_any_io(tmp_path):
