@@ -125,6 +125,21 @@ class QuantScheme:
         """
         raise NotImplementedError
 
+    def stack_reason(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+        """Why a stack of expert weights of ``shape`` (a 3-D parameter, ``(experts, out, in)``: transformers 5's
+        fused MoE experts) arriving in ``dtype`` stays in full precision, or None when this scheme quantizes it
+        (:meth:`load_stack`)."""
+        return (f"{self.name!r} quantizes nn.Linear weights, and {self.package} has no quantized form of a 3-D "
+                "stack of expert weights (transformers 5 leaves fused experts in full precision with it too); "
+                "the bitsandbytes 4-bit schemes quantize them")
+
+    def load_stack(self, module: nn.Module, name: str, weight: torch.Tensor | RowSource,
+                   shape: tuple[int, ...]) -> None:
+        """Quantize the stack of expert weights ``weight`` (the whole stack, or with :attr:`by_rows` its rows one
+        block at a time) into parameter ``name`` of ``module``, so that the module's own forward still reads the
+        parameter as a full-precision tensor of ``shape``."""
+        raise NotImplementedError
+
     # ---- saved and pre-quantized weights (``stored.py`` has the whole story)
 
     @classmethod
