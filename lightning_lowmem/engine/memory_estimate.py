@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
-from lightning_lowmem.engine.routes import Route, Traits, route_of
+from lightning_lowmem.engine.route import Route, Traits
+from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 

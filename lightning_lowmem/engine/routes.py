@@ -24,86 +24,20 @@ workspace (``DEQUANTIZE_WORKSPACE``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
-from lightning_lowmem.plan import LoadPlan, Target
-from lightning_lowmem.quantize.quantizer import TRIM_AT
-from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS, RowSource
-
-
-@dataclass(frozen=True)
-class Traits:
-    """What the whole load is, that a tensor's route depends on.
-
-    Attributes:
-        transform: the conversion runs a transform on each tensor as read.
-        mapped: the whole load maps the file (``stream.mappable``).
-        reads_rows: whether a block of rows of a checkpoint key can be read on its own.
-        shared: checkpoint keys that several targets are built from (read once, held between them).
-        requantized: weight names built from weights stored quantized, then quantized again.
-    """
-
-    transform: bool = False
-    mapped: bool = False
-    reads_rows: Callable[[str], bool] = field(default=lambda key: True)
-    shared: frozenset[str] = frozenset()
-    requantized: frozenset[str] = frozenset()
-
-    @classmethod
-    def of(cls, plan: LoadPlan, ckpt: Checkpoint | None, *, transform: bool, mapped: bool = False,
-           requantized: frozenset[str] = frozenset()) -> Traits:
-        """The traits of a load of ``plan`` from ``ckpt`` (None: records with no file, read as any file reads)."""
-        uses: dict[str, int] = {}
-        for target in plan.targets:
-            for part in target.parts:
-                uses[part.key] = uses.get(part.key, 0) + 1
-        reads_rows = ckpt.reads_rows if ckpt is not None else cls.reads_rows
-        return cls(transform, mapped, reads_rows, frozenset(k for k, n in uses.items() if n > 1), requantized)
-
-
-@dataclass(frozen=True)
-class Route:
-    """How one target is read, and what that holds beyond the final tensor. Subclasses are the routes."""
-
-    target: Target
-    kind: ClassVar[str] = ""
-
-    def read(self, reader: Reader) -> Payload:
-        """What the stream installs: a tensor, a :class:`RowSource`, or the parts of a weight stored quantized."""
-        raise NotImplementedError
-
-    @property
-    def transient(self) -> int:
-        """Bytes held beyond the final tensor while this target is read, cast, quantized and assigned."""
-        raise NotImplementedError
-
-    @property
-    def read_nbytes(self) -> int:
-        """Bytes read from the checkpoint for this target."""
-        return self.target.read_nbytes
-
-    @property
-    def final(self) -> bool:
-        """Whether what is read becomes the final tensor as it is (so reading it ahead costs nothing)."""
-        return False
-
-    @property
-    def scratch_nbytes(self) -> int:
-        """The largest read this route makes into the reused scratch buffer (0: none)."""
-        return 0
+from lightning_lowmem.engine.route import Route, Traits, as_read, by_rows_nbytes, decode, quantized_nbytes
+from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
+from lightning_lowmem.plan import Target
+from lightning_lowmem.quantize.rows import RowSource
 
 
 def route_of(target: Target, traits: Traits) -> Route:
     """The one decision of how ``target`` travels (see the module docstring)."""
-    from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
-
     if target.shard is not None and target.own_rows is not None and not traits.transform:
         if target.stack is not None and stackable(target, traits, by_rows=True):
             return Stacked(target)
@@ -122,32 +56,6 @@ def route_of(target: Target, traits: Traits) -> Route:
             and len(target.record.shape) == 2 and traits.reads_rows(target.record.key)):
         return Rows(target)
     return Whole(target)
-
-
-# ---- sizes shared by the routes
-
-def as_read(target: Target) -> int:
-    """Bytes of the tensor as read, when it is then cast (both live at once); 0 when read in its final dtype."""
-    return target.record.numel * target.record.dtype.itemsize if target.record.dtype != target.dtype else 0
-
-
-def decode(target: Target) -> int:
-    """The dequantization workspace of a tensor stored block-quantized (GGUF), else 0."""
-    return DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
-
-
-def by_rows_nbytes(target: Target) -> int:
-    """One block of rows as read, cast and quantized, and the freed heap a trim leaves."""
-    per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
-    return int(min(target.record.numel, CHUNK_ELEMENTS) * per_element) + TRIM_AT
-
-
-def quantized_nbytes(target: Target, held: int) -> int:
-    """What quantizing ``target`` from a whole tensor holds, ``held`` bytes (as read, parts) beside its cast copy."""
-    cast = target.cast_nbytes
-    if target.scheme.by_rows:  # quantized a block of rows of the whole cast tensor at a time
-        return held + cast + by_rows_nbytes(target)
-    return max(held + cast, cast + int(target.scheme.transient * target.record.numel))
 
 
 # ---- the routes

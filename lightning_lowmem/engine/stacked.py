@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.routes import Route, Traits, by_rows_nbytes, decode
+from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode
 from lightning_lowmem.plan import Target
 from lightning_lowmem.quantize.rows import RowSource
 

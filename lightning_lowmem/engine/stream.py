@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.readahead import read_ahead
-from lightning_lowmem.engine.routes import Route, Traits, route_of
+from lightning_lowmem.engine.route import Route, Traits
+from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import assign
 from lightning_lowmem.plan import Combine, LoadPlan, Target

@@ -20,7 +20,8 @@ import torch
 
 from lightning_lowmem import LoadOptions, init_empty, load_checkpoint
 from lightning_lowmem.engine import prepare_load, resolved
-from lightning_lowmem.engine.routes import Traits, route_of
+from lightning_lowmem.engine.route import Traits
+from lightning_lowmem.engine.routes import route_of
 
 transformers = pytest.importorskip("transformers")
 
