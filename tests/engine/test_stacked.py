@@ -3,9 +3,9 @@ read once, straight into its rows of the tensor, which is allocated once; quanti
 DTensor shards filled with this rank's experts only.
 
 Peak memory (fresh process, 2-core CPU, torch 2.13): a 4-layer Mixtral of 8 experts (hidden 1024, 226 MiB in bf16; each
-layer's fused gate_up_proj 32 MiB, built from 16 parts of 2 MiB) loaded in bf16 peaked at the final model + 0.6-1.0 MiB
-on the stacked route, and at the final model + 51 MiB with its parts combined as before (the parts and the stacked
-intermediates of transformers' MergeModulelist beside the result). bnb.nf4 of the same checkpoint peaked at the
+layer's fused gate_up_proj 32 MiB, built from 16 parts of 2 MiB) loaded in bf16 peaked at the final model + 0.4-1.0 MiB
+on the stacked route, and at the final model + 51-129 MiB with its parts combined as before (the parts and the
+stacked intermediates of transformers' MergeModulelist beside the result). bnb.nf4 of the same checkpoint peaked at the
 quantized model + 24 MiB (its estimate: + 49 MiB). The bound below is the final model + one part + 16 MiB.
 """
 
