@@ -9,7 +9,14 @@ from collections import Counter
 import pytest
 import torch
 
-from lightning_lowmem import Checkpoint, CheckpointMismatchError, init_empty, load_checkpoint
+from lightning_lowmem import (
+    Checkpoint,
+    CheckpointMismatchError,
+    UnsupportedQuantizationError,
+    init_empty,
+    load_checkpoint,
+    save_checkpoint,
+)
 from lightning_lowmem.quantize import BnbNF4, module_nbytes
 
 transformers = pytest.importorskip("transformers")
@@ -114,6 +121,16 @@ def test_nf4_quantize_on_load_quantizes_the_experts(moe_dir, hf_from_pretrained,
     logits = forward_logits(model)
     assert torch.equal(logits, forward_logits(reference))
     assert torch.nn.functional.cosine_similarity(logits.flatten(), full_precision.flatten(), dim=0) > 0.9
+
+
+def test_quantized_experts_are_not_saved_half(tmp_path, moe_dir):
+    """Their scales live in bitsandbytes' parametrization: a save refuses rather than write the codes alone."""
+    directory = moe_dir("mixtral")
+    model = _built(directory, dtype=torch.bfloat16)
+    load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
+    with pytest.raises(UnsupportedQuantizationError, match=r"experts\.gate_up_proj.*parametrization.*nothing was"):
+        save_checkpoint(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
 
 
 def test_a_scheme_with_no_quantized_experts_leaves_them_in_full_precision_and_says_why(moe_dir):
