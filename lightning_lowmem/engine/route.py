@@ -29,7 +29,7 @@ class Traits:
 
     transform: bool = False
     mapped: bool = False
-    reads_rows: Callable[[str], bool] = field(default=lambda key: True)
+    reads_rows: Callable[[str], bool] = field(default=lambda key: True)  # records with no file: as any file
     shared: frozenset[str] = frozenset()
     requantized: frozenset[str] = frozenset()
 
@@ -41,8 +41,10 @@ class Traits:
         for target in plan.targets:
             for part in target.parts:
                 uses[part.key] = uses.get(part.key, 0) + 1
-        reads_rows = ckpt.reads_rows if ckpt is not None else cls.reads_rows
-        return cls(transform, mapped, reads_rows, frozenset(k for k, n in uses.items() if n > 1), requantized)
+        shared = frozenset(k for k, n in uses.items() if n > 1)
+        if ckpt is None:
+            return cls(transform, mapped, shared=shared, requantized=requantized)
+        return cls(transform, mapped, ckpt.reads_rows, shared, requantized)
 
 
 @dataclass(frozen=True)

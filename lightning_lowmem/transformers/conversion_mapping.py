@@ -25,7 +25,7 @@ that already holds fused experts, as :func:`~lightning_lowmem.save_checkpoint` w
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -134,7 +134,8 @@ def _refuse_many_targets(family: str, groups: Mapping[str, tuple[Any, dict]]) ->
         "from_pretrained, or pass key_map= and combine= that build each tensor; nothing was read.")
 
 
-def _operations_fn(model: nn.Module, converter: Any, by_pattern: Mapping[str, list[str]]):
+def _operations_fn(model: nn.Module, converter: Any,
+                   by_pattern: Mapping[str, list[str]]) -> Callable[[str, dict[str, torch.Tensor]], torch.Tensor]:
     """``Combine.fn`` for one module tensor: the converter's own operations on its parts, as transformers runs them."""
     patterns, targets = list(converter.source_patterns), list(converter.target_patterns)
 
