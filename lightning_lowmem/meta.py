@@ -155,13 +155,15 @@ class Snapshot:
 
     def __init__(self, module: nn.Module) -> None:
         mods = [m for _, m in module.named_modules(remove_duplicate=False)]
-        self._tables = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in mods]
+        # the class too: a parametrization (bitsandbytes' quantized expert stacks) swaps it for a subclass
+        self._tables = [(m, type(m), dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in mods]
         # a DTensor shard (FSDP2) is filled in place, its storage shared with any `.data` kept here: not restored
         self._data = [(p, p.data) for m in mods for p in m._parameters.values()
                       if p is not None and not p.is_meta and not hasattr(p, "_local_tensor")]
 
     def restore(self) -> None:
-        for mod, modules, parameters, buffers in self._tables:
+        for mod, cls, modules, parameters, buffers in self._tables:
+            mod.__class__ = cls
             mod._modules.clear()
             mod._modules.update(modules)
             mod._parameters.clear()

@@ -785,6 +785,41 @@ def hf_from_pretrained():
     return load
 
 
+# transformers 5 MoE families whose experts are fused in the model and stored one tensor per expert by save_pretrained:
+# (transformers class, config kwargs).
+MOE_FAMILIES = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, intermediate_size=128)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
+                                             shared_expert_intermediate_size=128)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=4, moe_intermediate_size=64, intermediate_size=128,
+                                             head_dim=16, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def write_moe_dir():
+    """``write_moe_dir(directory, family, *, hidden=64, layers=2, dtype=torch.float32, max_shard_size=None, **config)``:
+    a tiny transformers 5 MoE model of ``family`` (mixtral, qwen2_moe, qwen3_moe; 4 experts, 2 per token, weights from
+    N(0, 0.3)) saved by ``save_pretrained`` (one tensor per expert); returns the model."""
+    def write(directory: Path, family: str, *, hidden: int = 64, layers: int = 2, dtype: torch.dtype = torch.float32,
+              max_shard_size: str | None = None, **overrides) -> nn.Module:
+        import transformers
+
+        cls, kwargs = MOE_FAMILIES[family]
+        defaults = dict(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+        config = getattr(transformers, cls.replace("ForCausalLM", "Config"))(**{**defaults, **kwargs, **overrides})
+        torch.manual_seed(0)
+        model = getattr(transformers, cls)(config).to(dtype).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.3)
+        model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        return model
+
+    return write
+
+
 # ---------------------------------------------------------------- fresh-process measurements
 
 @pytest.fixture(scope="session")

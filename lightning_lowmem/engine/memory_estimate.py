@@ -13,17 +13,11 @@
                    prefill), independent of the model size; ``runtime=`` overrides it
     library        importing the quantization library and its first kernel call
                    (``QuantScheme.library_bytes``)
-    load transient the largest extra bytes one tensor holds while it is streamed in:
-                   the tensor as read when it is cast; for weights read, cast and
-                   quantized a block of rows at a time (bitsandbytes, torchao int8) one
-                   block as read, cast and quantized (``QuantScheme.transient``: bytes per
-                   element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
-                   a scheme that quantizes whole weights, the cast weight + what quantizing it
-                   holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
-                   qkv) adds itself and its parts (stored quantized: and their dequantized
-                   values); a weight stored quantized, loaded as it is, nothing on CPU (its
-                   parts are the final tensors); a tensor stored block-quantized (GGUF) is read
-                   as float32 and adds the dequantization's workspace (``DEQUANTIZE_WORKSPACE``);
+    load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
+                   the stream takes for it (``engine/routes.py``: the tensor as read when it is cast;
+                   a block of rows as read, cast and quantized + the freed heap a trim leaves; a
+                   combined tensor's parts; one part of a stacked one; a weight stored quantized,
+                   loaded as it is, nothing on CPU; a GGUF tensor's dequantization workspace)
                    plus 6 MiB measured for the load itself
     peak           weights + library + max(load transient, caches + activations
                    + first forward + runtime)
@@ -38,12 +32,10 @@ from typing import Any
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
-from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
+from lightning_lowmem.engine.route import Route, Traits
+from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
-from lightning_lowmem.plan import Target
-from lightning_lowmem.quantize.quantizer import TRIM_AT
-from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
 
 LOAD_RUNTIME = 6 * 2**20  # measured: load_checkpoint beyond weights + one tensor (plan, Python objects, buffers)
 CPU_RUNTIME = 24 * 2**20  # measured: generate() on 1- and 4-layer models and pythia-1b, beyond weights + caches
@@ -142,8 +134,10 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement, source=prepared.source.why)
+    traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform is not None,
+                       requantized=frozenset(requantized))
     for target in prepared.plan.targets:
-        _add_target(est, target, requantized=target.names[0] in requantized)
+        _add_target(est, route_of(target, traits))
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
     if prepared.plan.missing:
@@ -156,32 +150,14 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     return est
 
 
-def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False) -> None:
-    """Count ``target``'s bytes, and the transient of streaming it in (``requantized``: built from stored quantized
-    parts, which are held dequantized, about its own cast size, while it is built)."""
+def _add_target(est: MemoryEstimate, route: Route) -> None:
+    """Count a target's bytes, and the transient of streaming it in along ``route``."""
+    target = route.target
     numel = target.record.numel
-    read_itemsize, cast = target.record.dtype.itemsize, target.cast_nbytes
-    read = numel * read_itemsize if target.record.dtype != target.dtype else 0  # as read, beside its cast copy
-    parts = sum(p.tensor_nbytes for p in target.parts)  # the parts of a combined tensor are held while it is built
-    parts += cast if requantized else 0
-    decode = DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
     est.params += numel
     est.weights += target.final_nbytes
-    scheme = target.scheme
-    if scheme is None:
-        est.load_transient = max(est.load_transient, read + parts + decode)
-        return
-    est.quantized_params += numel
-    est.quantized_weights += target.final_nbytes
-    est.dequantized = max(est.dequantized, int(scheme.first_forward * numel))
-    if target.stored is not None:  # loaded as stored: on CPU the parts read are the final tensors
-        est.load_transient = max(est.load_transient, parts if target.device.type != "cpu" else 0)
-        return
-    if scheme.by_rows:  # blocks of rows, each read, cast and quantized on its own
-        block = min(numel, CHUNK_ELEMENTS)
-        whole = read + cast + parts if parts else 0  # a tensor combined from parts is built whole first
-        per_element = read_itemsize + target.dtype.itemsize + scheme.transient
-        transient = whole + int(block * per_element) + TRIM_AT
-    else:
-        transient = max(read + cast + parts, cast + int(scheme.transient * numel))
-    est.load_transient = max(est.load_transient, transient + decode)
+    est.load_transient = max(est.load_transient, route.transient)
+    if target.scheme is not None:
+        est.quantized_params += numel
+        est.quantized_weights += target.final_nbytes
+        est.dequantized = max(est.dequantized, int(target.scheme.first_forward * numel))

@@ -1,9 +1,15 @@
-"""Module tensors built from several checkpoint tensors, such as separate q, k and v into one qkv."""
+"""Module tensors built from several checkpoint tensors, such as separate q, k and v into one qkv.
 
+A combined tensor whose parts are its own blocks of rows (one expert's weight after another in transformers'
+fused MoE experts; q, then k, then v) is a *stack*: :class:`Stack` says where each part starts, so that the
+loader can read each part straight into its rows of the result instead of holding the parts and the result
+together. :func:`with_stacks` finds the stacks of a :class:`Combine` by running its own ``fn`` on row numbers.
+""" 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +39,54 @@ class Combine:
 
     sources: Mapping[str, Sequence[str]]
     fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor]
+    stacks: Mapping[str, Stack] = field(default_factory=dict)
+    """Module name -> where its parts lie in it, for the tensors ``fn`` builds by laying its parts one after
+    another as blocks of rows (see :func:`with_stacks`); the others are built by ``fn``."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A combined tensor made of its parts laid out as blocks of rows: seen as rows of the parts' own trailing
+    shape (``result.view(-1, *tail)``), part ``i`` (in the order of ``Combine.sources``) fills rows
+    ``starts[i]:starts[i] + len(part)``, and the parts together fill every row once.
+
+    Attributes:
+        starts: the first row of each part.
+        tail: the shape of one row (every part's shape but its first dimension; ``()`` for 1-D parts).
+
+    Example::
+
+        >>> stack = Stack((0, 4, 2, 6), (8,))  # gates of experts 0, 1 and ups of 0, 1: rows gate0 up0 gate1 up1
+        >>> stack.pieces([2, 2, 2, 2], 3, 7)  # (part, its first row, its stop row, where it goes in rows 3:7)
+        [(2, 1, 2, 0), (1, 0, 2, 1), (3, 0, 1, 3)]
+    """
+
+    starts: tuple[int, ...]
+    tail: tuple[int, ...]
+
+    def pieces(self, lengths: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """``(part index, first row of the part, stop row of the part, row in the window)`` for each part that
+        overlaps rows ``start:stop`` of the result, in the order of the result's rows."""
+        found = []
+        for i, (first, n) in enumerate(zip(self.starts, lengths, strict=True)):
+            lo, hi = max(first, start), min(first + n, stop)
+            if lo < hi:
+                found.append((i, lo - first, hi - first, lo - start))
+        return sorted(found, key=lambda piece: piece[3])
+
+    def fits(self, shapes: Sequence[tuple[int, ...]], result: tuple[int, ...]) -> bool:
+        """Whether parts of ``shapes`` tile a result of shape ``result`` as this stack says."""
+        if len(shapes) != len(self.starts) or any(len(s) == 0 or s[1:] != self.tail for s in shapes):
+            return False
+        if len(result) < len(self.tail) or result[len(result) - len(self.tail):] != self.tail:
+            return False
+        spans = sorted(zip(self.starts, (s[0] for s in shapes)))
+        edge = 0
+        for first, n in spans:
+            if first != edge:
+                return False
+            edge += n
+        return edge * math.prod(self.tail) == math.prod(result)
 
 
 @dataclass(frozen=True)
@@ -44,12 +98,14 @@ class Combined:
         parts: the records of the parts the checkpoint holds.
         absent: the parts' keys the checkpoint lacks.
         error: why the parts do not combine (their shapes), or ``""``.
+        stack: where the parts lie in the result, when it is a stack of them (checked against their shapes).
     """
 
     record: TensorRecord | None
     parts: tuple[TensorRecord, ...] = ()
     absent: tuple[str, ...] = ()
     error: str = ""
+    stack: Stack | None = None
 
 
 def combined_record(combine: Combine, names: Sequence[str], records: Mapping[str, TensorRecord]) -> Combined:
@@ -67,4 +123,69 @@ def combined_record(combine: Combine, names: Sequence[str], records: Mapping[str
     except (RuntimeError, ValueError, IndexError) as e:  # e.g. torch.cat of parts whose widths differ
         shapes = ", ".join(str(list(p.shape)) for p in parts)
         return Combined(None, parts, error=f"{name!r} cannot be built from {format_names(keys)} ({shapes}): {e}")
-    return Combined(TensorRecord(name, tuple(out.shape), out.dtype, parts[0].file), parts)
+    stack = combine.stacks.get(name)
+    if stack is not None and not stack.fits([p.shape for p in parts], tuple(out.shape)):
+        stack = None  # the parts are not laid out as it says: built by fn
+    return Combined(TensorRecord(name, tuple(out.shape), out.dtype, parts[0].file), parts, stack=stack)
+
+
+def with_stacks(combine: Combine, records: Mapping[str, TensorRecord]) -> Combine:
+    """``combine`` with each tensor its ``fn`` builds by laying its parts one after another as blocks of rows
+    marked as a :class:`Stack` (so each part can be read straight into its place).
+
+    Which tensors are stacks is found by running ``fn`` itself on row numbers: each part stands in as a column
+    of its rows' global numbers (its trailing dimensions of size 1); a stack is a result whose rows are those
+    numbers, each part's in order and together. A ``fn`` that computes on the values, or moves them across the
+    trailing dimensions, gives other numbers or another shape and is left to build its tensor itself.
+
+    Example::
+
+        >>> from pathlib import Path
+        >>> records = {k: TensorRecord(k, (4, 8), torch.float32, Path("m.safetensors")) for k in ("q", "k")}
+        >>> fused = with_stacks(Combine({"qk": ("q", "k")}, lambda name, got: torch.cat([got["q"], got["k"]])), records)
+        >>> fused.stacks["qk"]
+        Stack(starts=(0, 4), tail=(8,))
+    """
+    stacks = dict(combine.stacks)
+    for name, keys in combine.sources.items():
+        if name not in stacks and all(key in records for key in keys):
+            found = _stack_of(combine.fn, name, [records[key] for key in keys])
+            if found is not None:
+                stacks[name] = found
+    return replace(combine, stacks=stacks)
+
+
+def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: str,
+              parts: Sequence[TensorRecord]) -> Stack | None:
+    """The :class:`Stack` ``fn`` lays ``parts`` out as, or None (see :func:`with_stacks`)."""
+    if not parts or any(len(p.shape) == 0 for p in parts) or len({p.key for p in parts}) != len(parts):
+        return None
+    tail = parts[0].shape[1:]
+    if any(p.shape[1:] != tail for p in parts):
+        return None
+    numbers, firsts, total = {}, [], 0
+    for p in parts:
+        numbers[p.key] = torch.arange(total, total + p.shape[0]).view(p.shape[0], *([1] * len(tail)))
+        firsts.append(total)
+        total += p.shape[0]
+    try:
+        out = fn(name, numbers)
+        meta = fn(name, {p.key: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts})
+    except (RuntimeError, ValueError, IndexError, KeyError, TypeError):
+        return None
+    shape, lead = tuple(meta.shape), len(meta.shape) - len(tail)
+    if (lead < 0 or shape[lead:] != tail or out.dtype != torch.int64
+            or tuple(out.shape) != (*shape[:lead], *([1] * len(tail))) or out.numel() != total):
+        return None
+    rows = out.reshape(-1)
+    if not torch.equal(rows.sort().values, torch.arange(total)):
+        return None
+    where = torch.empty(total, dtype=torch.int64)
+    where[rows] = torch.arange(total)
+    starts = []
+    for p, first in zip(parts, firsts, strict=True):
+        start = int(where[first])
+        if not torch.equal(where[first:first + p.shape[0]], torch.arange(start, start + p.shape[0])):
+            return None
+        starts.append(start)
+    return Stack(tuple(starts), tail)

@@ -79,7 +79,8 @@ def under(conversion: Conversion, prefix: str) -> Conversion:
     return Conversion(
         conversion.name, key_map=prefixed_key_map,
         combine=None if combine is None else Combine({prefix + n: keys for n, keys in combine.sources.items()},
-                                                     lambda name, parts: combine.fn(name[len(prefix):], parts)),
+                                                     lambda name, parts: combine.fn(name[len(prefix):], parts),
+                                                     {prefix + n: stack for n, stack in combine.stacks.items()}),
         transform=None if transform is None else (
             lambda name, t: transform(name[len(prefix):], t) if name.startswith(prefix) else t),
         tie=None if tie is None else (lambda module: tie(module.get_submodule(prefix[:-1]))))

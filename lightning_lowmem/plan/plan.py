@@ -30,7 +30,7 @@ from torch import nn
 from lightning_lowmem.dtypes import fallback_dtype
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
-from lightning_lowmem.plan.combine import Combine, combined_record
+from lightning_lowmem.plan.combine import Combine, Stack, combined_record
 from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
 from lightning_lowmem.plan.dtensor_part import Shard, shard_of
 
@@ -71,6 +71,8 @@ class Target:
         stored: the form the checkpoint stores it in, when not as itself: its ``parts`` are read as they
             are and handed to ``scheme`` together, never combined.
         shard: this rank's part of it, when the module's tensor is a DTensor; None: the whole tensor.
+        stack: where each of ``parts`` lies in it, when it is its parts laid out as blocks of rows (transformers'
+            fused MoE experts): each part can be read straight into its rows.
     """
 
     names: list[str]
@@ -82,18 +84,37 @@ class Target:
     scheme: StoredSize | None = None
     stored: StoredForm | None = None
     shard: Shard | None = None
+    stack: Stack | None = None
 
     @property
     def own_rows(self) -> tuple[int, int] | None:
-        """The block of rows this rank reads on its own (a row shard, read as stored), else None."""
-        if self.shard is None or self.parts or self.scheme is not None:
+        """The block of rows this rank reads on its own (a row shard, read as stored or from a stack's parts),
+        else None."""
+        if self.shard is None or (self.parts and self.stack is None) or self.scheme is not None:
             return None
         return self.shard.rows
+
+    @property
+    def stack_rows(self) -> tuple[int, int]:
+        """The rows of a stacked tensor this rank holds, counted as rows of its parts (``Stack.tail``)."""
+        per = math.prod(self.record.shape[1:]) // max(math.prod(self.stack.tail), 1)  # stack rows per dim-0 row
+        own = self.own_rows
+        start, stop = own if own is not None else (0, self.record.shape[0])
+        return start * per, stop * per
+
+    def pieces(self) -> list[tuple[TensorRecord, int, int, int]]:
+        """``(part, its first row, its stop row, where it goes in this rank's rows)`` for each part of a stacked
+        tensor that this rank holds rows of (all of them without a shard)."""
+        start, stop = self.stack_rows
+        lengths = [p.shape[0] for p in self.parts]
+        return [(self.parts[i], lo, hi, at) for i, lo, hi, at in self.stack.pieces(lengths, start, stop)]
 
     @property
     def read_nbytes(self) -> int:
         """Bytes read from the checkpoint for this tensor (only this rank's rows of a row shard)."""
         rows = self.own_rows
+        if rows is not None and self.stack is not None:
+            return sum(p.nbytes // max(p.shape[0], 1) * (hi - lo) for p, lo, hi, _ in self.pieces())
         if rows is not None:
             return self.record.nbytes // max(self.record.shape[0], 1) * (rows[1] - rows[0])
         return sum(r.nbytes for r in self.parts) if self.parts else self.record.nbytes
@@ -188,13 +209,13 @@ def make_plan(
     bad_shapes: list[str] = []
     used: set[str] = set()
     for gid, (names, tensor, is_param, optional) in groups.items():
-        rec, parts = source.get(gid), ()
+        rec, parts, stack = source.get(gid), (), None
         if optional:  # a non-persistent buffer: taken from the checkpoint only to fill a meta one exactly
             if rec is not None and tensor.is_meta and (rec.shape, rec.dtype) == (tuple(tensor.shape), tensor.dtype):
                 plan.targets.append(Target(names, rec, False, tensor.dtype, _target_device(tensor, device)))
             continue
         if rec is None and combine is not None:
-            rec, parts = _combined(plan, names, combine, records, bad_shapes)
+            rec, parts, stack = _combined(plan, names, combine, records, bad_shapes)
             used.update(p.key for p in parts)
         if rec is None:
             plan.missing.append(names[0])
@@ -207,7 +228,7 @@ def make_plan(
             shard = shard_of(tensor)
             cast = tensor.dtype if shard is not None else _target_dtype(tensor, rec, dtype)  # filled in place
             plan.targets.append(Target(names, rec, is_param, cast, _target_device(tensor, device),
-                                       form.parts if form else parts, stored=form, shard=shard))
+                                       form.parts if form else parts, stored=form, shard=shard, stack=stack))
     plan.unexpected = [key for key in unexpected if key not in used
                        and not (key in stored and used.intersection(p.key for p in stored[key].parts))]
     if bad_shapes:
@@ -293,13 +314,14 @@ def _match_keys(records: Mapping[str, TensorRecord], key_map: KeyMap | None,
 
 
 def _combined(plan: LoadPlan, names: list[str], combine: Combine, records: Mapping[str, TensorRecord],
-              bad_shapes: list[str]) -> tuple[TensorRecord | None, tuple[TensorRecord, ...]]:
-    """The record ``combine`` builds for ``names`` and its parts; notes absent parts and bad shapes."""
+              bad_shapes: list[str]) -> tuple[TensorRecord | None, tuple[TensorRecord, ...], Stack | None]:
+    """The record ``combine`` builds for ``names``, its parts and how they stack; notes absent parts and bad
+    shapes."""
     found = combined_record(combine, names, records)
     plan.absent.update(dict.fromkeys(found.absent, names[0]))
     if found.error:
         bad_shapes.append(found.error)
-    return found.record, found.parts
+    return found.record, found.parts, found.stack
 
 
 def mismatch_message(plan: LoadPlan, missing: list[str] | None = None) -> str:

@@ -85,6 +85,9 @@ class Bnb4bit(BnbScheme):
         scales = blocks + 4 * math.ceil(blocks / 256) + 4 + 1024 if self.double_quant else 4 * blocks
         return math.ceil(n / 2) + 64 + scales
 
+    def stack_reason(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+        return None if dtype.is_floating_point else f"its weight is {dtype}, not floating point"
+
 
 @register_scheme("bnb.nf4")
 @dataclass(frozen=True)
@@ -163,6 +166,18 @@ class Bnb4bitTransform(Transform[Bnb4bit]):
                                    compress_statistics=s.double_quant, quant_type=s.quant_type,
                                    quant_storage=s.quant_storage, module=module, bnb_quantized=True)
         module.quant_state = state
+
+    def quantize_stack(self, module: nn.Module, name: str, weight: torch.Tensor | RowSource,
+                       shape: tuple[int, ...]) -> None:
+        """bitsandbytes' own way to quantize a parameter that is no Linear weight (``bitsandbytes.nn.parametrize``,
+        made for MoE experts): the packed weight becomes the parameter, and a parametrization dequantizes it when
+        the module reads it (once per forward of the module)."""
+        from bitsandbytes.nn.parametrize import replace_parameter_4bit_prequantized
+
+        packed, state = self._quantize(weight if isinstance(weight, RowSource) else RowSource.of(weight))
+        state.shape = torch.Size(shape)
+        module._parameters[name] = nn.Parameter(packed, requires_grad=False)
+        replace_parameter_4bit_prequantized(module, name, state.as_dict(packed=True), packed.device)
 
     def _quantize(self, weight: RowSource) -> tuple[torch.Tensor, Any]:
         """What ``bitsandbytes.functional.quantize_4bit`` returns, computed a block of rows at a time."""

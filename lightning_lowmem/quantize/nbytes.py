@@ -40,6 +40,10 @@ def module_nbytes(module: nn.Module) -> int:
     for mod in module.modules():
         for tensor in [*mod._parameters.values(), *mod._buffers.values()]:
             total += tensor_nbytes(tensor, seen)
+        # bitsandbytes' parametrization of a quantized expert stack keeps the scales in its quant_state
+        quant_state = getattr(mod, "quant_state", None)
+        if quant_state is not None and hasattr(quant_state, "absmax"):
+            total += sum(_storage_nbytes(t, seen) for t in _state_tensors(quant_state))
         # bitsandbytes' Linear8bitLt moves its int8 weight and row scales into module.state on its first forward
         state = getattr(mod, "state", None)
         for name in ("CB", "SCB"):

@@ -42,7 +42,8 @@ class Quantizer:
 
     Attributes:
         scheme: the scheme in use.
-        quantized: module name -> scheme name, for each module holding a quantized weight so far.
+        quantized: module name -> scheme name, for each module holding a quantized weight so far (a stack of
+            expert weights: the weight's name).
         prequantized: those loaded as the checkpoint stores them (nothing quantized).
         requantized: those built from weights the checkpoint stores quantized, then quantized again.
         left_out: module name -> why that ``nn.Linear`` stays in full precision.
@@ -59,6 +60,7 @@ class Quantizer:
         self.bytes_before = 0
         self.bytes_after = 0
         self._modules = {weight: name for name, weight in selection.chosen.items()}  # weight name -> module name
+        self._experts = dict(selection.experts)  # stacks of expert weights: weight name -> module name
         self._transposed = selection.transposed
         self._requantize = selection.requantized
 
@@ -75,6 +77,9 @@ class Quantizer:
         """
         if target.scheme is None:
             return False
+        if target.names[0] in self._experts:
+            self._load_stack(module, target, tensor)
+            return True
         module_name = self._modules[target.names[0]]
         owner = module.get_submodule(module_name)
         if module_name in self._transposed:  # stored (in, out), as transformers' Conv1D holds it
@@ -89,6 +94,18 @@ class Quantizer:
             trim_after_first_forward(owner)
         release_free_heap(TRIM_AT)  # the previous weight and this one's temporaries: out of RSS, not only freed
         return True
+
+    def _load_stack(self, module: nn.Module, target: Target, tensor: torch.Tensor | RowSource) -> None:
+        """Quantize a stack of expert weights into the parameter it fills (listed by the weight's name)."""
+        name = target.names[0]
+        owner, leaf = owner_of(module, name)
+        self.bytes_before += tensor.nbytes
+        target.scheme.transform.quantize_stack(owner, leaf, tensor, target.record.shape)
+        self.bytes_after += target.scheme.stored_nbytes(target.record.shape)
+        self.quantized[name] = target.scheme.name
+        if target.device.type == "cpu":  # its first forward dequantizes the stack: handed back after
+            trim_after_first_forward(owner)
+        release_free_heap(TRIM_AT)
 
     def load_stored(self, module: nn.Module, target: Target, tensors: dict[str, torch.Tensor]) -> None:
         """Put the parts of a weight the checkpoint holds quantized (``target.stored``; ``tensors`` by checkpoint
@@ -127,7 +144,8 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
     """
     scheme = selection.scheme
     targets = {name: target for target in plan.targets for name in target.names}
-    for checked in {scheme, *(targets[weight].scheme for weight in selection.chosen.values())}:
+    weights = [*selection.chosen.values(), *selection.experts]
+    for checked in {scheme, *(targets[weight].scheme for weight in weights)}:
         check_available(checked, device)
     built = scheme.transform.built
     for module_name, weight_name in selection.chosen.items():

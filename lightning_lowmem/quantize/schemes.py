@@ -122,6 +122,14 @@ class QuantScheme:
         """Why a weight of ``shape`` cannot be split by rows into ``count`` shards, or None when it can."""
         return f"{self.name!r} cannot be sharded"
 
+    def stack_reason(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+        """Why a stack of expert weights of ``shape`` (a 3-D parameter, ``(experts, out, in)``: transformers 5's
+        fused MoE experts) arriving in ``dtype`` stays in full precision, or None when this scheme's transform
+        quantizes it (:meth:`Transform.quantize_stack`)."""
+        return (f"{self.name!r} quantizes nn.Linear weights, and {self.package} has no quantized form of a 3-D "
+                "stack of expert weights (transformers 5 leaves fused experts in full precision with it too); "
+                "the bitsandbytes 4-bit schemes quantize them")
+
     @property
     def transform(self) -> Transform:
         """How this scheme quantizes a weight: the :class:`Transform` registered for its class (or the nearest
@@ -175,6 +183,14 @@ class Transform(Generic[SchemeT]):
         :attr:`~QuantScheme.shardable`): the whole weight is quantized, so that scales computed over all of it
         agree on every rank, and the shard is cut out of the result as ``torch.chunk`` (and FSDP2) cut it."""
         raise NotImplementedError(f"{self.scheme.name!r} cannot be sharded")
+
+    def quantize_stack(self, module: nn.Module, name: str, weight: torch.Tensor | RowSource,
+                       shape: tuple[int, ...]) -> None:
+        """Quantize the stack of expert weights ``weight`` (the whole stack, or with :attr:`QuantScheme.by_rows` its
+        rows one block at a time) into parameter ``name`` of ``module``, so that the module's own forward still
+        reads the parameter as a full-precision tensor of ``shape`` (schemes whose
+        :meth:`QuantScheme.stack_reason` is None)."""
+        raise NotImplementedError(f"{self.scheme.name!r} does not quantize stacks of expert weights")
 
 
 SchemeClassT = TypeVar("SchemeClassT", bound=type[QuantScheme])

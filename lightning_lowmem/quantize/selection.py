@@ -19,6 +19,12 @@ candidate stays in full precision when
 
 A module that already is the scheme's own (``torchao.nf4``'s ``NF4Linear``, built on meta before the
 model was sharded) is a candidate too, under the same rules.
+
+Stacks of expert weights are candidates too: a 3-D parameter ``(experts, out, in)`` held by a module named
+``experts`` (transformers 5 fuses an MoE layer's experts into ``mlp.experts.gate_up_proj`` and ``down_proj``,
+which are no ``nn.Linear``). The same rules apply (a ``skip_quantize`` glob matching the module or the weight, a
+tie, a weight the checkpoint lacks), and the scheme says whether it can quantize a stack
+(:meth:`~lightning_lowmem.quantize.schemes.QuantScheme.stack_reason`).
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Selection:
         stored: the chosen modules whose weight the checkpoint holds quantized: loaded as stored.
         requantized: the chosen modules whose weight is built from weights the checkpoint holds quantized:
             dequantized, combined, quantized again.
+        experts: stacks of expert weights to quantize: weight name -> the module holding it (``left_out`` names
+            the stacks left in full precision by their weight's name).
     """
 
     scheme: QuantScheme
@@ -62,6 +70,7 @@ class Selection:
     transposed: set[str] = field(default_factory=set)
     stored: set[str] = field(default_factory=set)
     requantized: set[str] = field(default_factory=set)
+    experts: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,9 +163,50 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
                 selection.transposed.add(name)
         else:
             selection.left_out[name] = reason
-    if not selection.chosen:
+    _select_expert_stacks(module, targets, patterns, scheme, selection)
+    if not selection.chosen and not selection.experts:
         _warn_nothing_chosen(module, scheme, selection)
     return selection
+
+
+def expert_stacks(module: nn.Module) -> list[tuple[str, str]]:
+    """``(module name, weight name)`` of each stack of expert weights in ``module``: a 3-D parameter held by a module
+    named ``experts`` (transformers 5's fused MoE experts).
+
+    Example::
+
+        >>> experts = nn.Module()
+        >>> experts.gate_up_proj = nn.Parameter(torch.empty(4, 16, 8, device="meta"))
+        >>> expert_stacks(nn.ModuleDict({"experts": experts}))
+        [('experts', 'experts.gate_up_proj')]
+    """
+    found = []
+    for name, mod in module.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        found += [(name, f"{name}.{leaf}") for leaf, p in mod._parameters.items() if p is not None and p.dim() == 3]
+    return found
+
+
+def _select_expert_stacks(module: nn.Module, targets: dict[str, Target], patterns: tuple[str, ...],
+                          scheme: QuantScheme, selection: Selection) -> None:
+    """Mark the stacks of expert weights ``scheme`` quantizes; note why the others stay in full precision."""
+    for name, weight in expert_stacks(module):
+        target = targets.get(weight)
+        matched = next((p for p in patterns if fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(weight, p)), None)
+        if matched is not None:
+            reason = f"matches skip_quantize pattern {matched!r}"
+        elif target is None:
+            reason = "its weight is not loaded from the checkpoint"
+        elif len(target.names) > 1:
+            reason = f"its weight is tied to {format_names([n for n in target.names if n != weight], quote=False)}"
+        else:
+            reason = scheme.stack_reason(target.record.shape, target.dtype)
+        if reason is None:
+            selection.experts[weight] = name
+            target.scheme = scheme
+        else:
+            selection.left_out[weight] = reason
 
 
 def _warn_nothing_chosen(module: nn.Module, scheme: QuantScheme, selection: Selection) -> None:

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_lowmem import CheckpointMismatchError, Combine, init_empty, load_checkpoint
+from lightning_lowmem import Checkpoint, CheckpointMismatchError, Combine, init_empty, load_checkpoint
+from lightning_lowmem.formats import TensorRecord
+from lightning_lowmem.plan.combine import Stack, with_stacks
 
 
 @pytest.fixture
@@ -57,3 +59,39 @@ def test_combine_missing_part_and_bad_shape_fail_before_reading(tmp_path, split_
     with pytest.raises(CheckpointMismatchError, match=r"'b\.qkv\.weight' built from 'b\.q\.weight'.*\[32, 16\]"):
         load_checkpoint(module, path, combine=combine)
     assert read_recorder.keys == []
+
+
+def test_a_combine_that_lays_its_parts_out_whole_is_read_straight_into_its_rows(tmp_path, split_qkv, read_recorder):
+    """``with_stacks`` finds, by running ``fn`` on row numbers, that q, k, v concatenated are a stack: each part is
+    then read straight into its rows of the tensor, allocated once."""
+    parts, path, module, combine = split_qkv(tmp_path)
+    with Checkpoint.open(path) as ckpt:
+        stacked = with_stacks(combine, ckpt.records)
+    assert stacked.stacks == {f"{layer}.qkv.weight": Stack((0, 16, 24), (16,)) for layer in "ab"}
+
+    report = load_checkpoint(module, path, combine=stacked)
+    for layer in "ab":
+        assert torch.equal(module[layer].qkv.weight, torch.cat([parts[f"{layer}.{p}.weight"] for p in "qkv"]))
+    assert sorted(read_recorder.keys) == sorted(parts) and report.bytes_read == sum(t.nbytes for t in parts.values())
+
+
+@pytest.mark.parametrize("fn", [
+    lambda got: torch.cat([got["q"], got["k"]]) * 2,  # computes on the values
+    lambda got: torch.stack([got["q"], got["k"]], dim=1).reshape(-1, 8),  # interleaves the rows
+    lambda got: torch.cat([got["q"], got["k"]], dim=1),  # joins along the rows' own dimension
+    lambda got: torch.cat([got["q"], got["q"]]),  # reads a part twice
+], ids=["values", "interleaved", "columns", "repeated"])
+def test_anything_but_parts_laid_out_whole_is_built_by_its_fn(fn):
+    from pathlib import Path
+
+    records = {k: TensorRecord(k, (4, 8), torch.float32, Path("m.safetensors")) for k in ("q", "k")}
+    combine = with_stacks(Combine({"qk": ("q", "k")}, lambda name, got: fn(got)), records)
+    assert combine.stacks == {}
+
+
+def test_a_stack_must_tile_the_result():
+    assert Stack((0, 4), (8,)).fits([(4, 8), (4, 8)], (8, 8))
+    assert Stack((0, 4), (8,)).fits([(4, 8), (4, 8)], (2, 4, 8))  # experts x rows x columns
+    assert not Stack((0, 3), (8,)).fits([(4, 8), (4, 8)], (8, 8))  # overlapping
+    assert not Stack((0, 4), (8,)).fits([(4, 8), (4, 8)], (9, 8))  # a row left unfilled
+    assert not Stack((0, 4), (8,)).fits([(4, 8), (4, 4)], (8, 8))  # another row shape

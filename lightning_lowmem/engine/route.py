@@ -1,0 +1,103 @@
+"""What a route is (``routes.py`` has them all, and the one decision): the base class, the traits of a load that a
+tensor's route depends on, and the sizes the routes share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from lightning_lowmem.engine.reader import Payload, Reader
+from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
+from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quantize.quantizer import TRIM_AT
+from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the whole load is, that a tensor's route depends on.
+
+    Attributes:
+        transform: the conversion runs a transform on each tensor as read.
+        mapped: the whole load maps the file (``stream.mappable``).
+        reads_rows: whether a block of rows of a checkpoint key can be read on its own.
+        shared: checkpoint keys that several targets are built from (read once, held between them).
+        requantized: weight names built from weights stored quantized, then quantized again.
+    """
+
+    transform: bool = False
+    mapped: bool = False
+    reads_rows: Callable[[str], bool] = field(default=lambda key: True)  # records with no file: as any file
+    shared: frozenset[str] = frozenset()
+    requantized: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, plan: LoadPlan, ckpt: Checkpoint | None, *, transform: bool, mapped: bool = False,
+           requantized: frozenset[str] = frozenset()) -> Traits:
+        """The traits of a load of ``plan`` from ``ckpt`` (None: records with no file, read as any file reads)."""
+        uses: dict[str, int] = {}
+        for target in plan.targets:
+            for part in target.parts:
+                uses[part.key] = uses.get(part.key, 0) + 1
+        shared = frozenset(k for k, n in uses.items() if n > 1)
+        if ckpt is None:
+            return cls(transform, mapped, shared=shared, requantized=requantized)
+        return cls(transform, mapped, ckpt.reads_rows, shared, requantized)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one target is read, and what that holds beyond the final tensor. Subclasses are the routes."""
+
+    target: Target
+    kind: ClassVar[str] = ""
+
+    def read(self, reader: Reader) -> Payload:
+        """What the stream installs: a tensor, a :class:`RowSource`, or the parts of a weight stored quantized."""
+        raise NotImplementedError
+
+    @property
+    def transient(self) -> int:
+        """Bytes held beyond the final tensor while this target is read, cast, quantized and assigned."""
+        raise NotImplementedError
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes read from the checkpoint for this target."""
+        return self.target.read_nbytes
+
+    @property
+    def final(self) -> bool:
+        """Whether what is read becomes the final tensor as it is (so reading it ahead costs nothing)."""
+        return False
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """The largest read this route makes into the reused scratch buffer (0: none)."""
+        return 0
+
+
+def as_read(target: Target) -> int:
+    """Bytes of the tensor as read, when it is then cast (both live at once); 0 when read in its final dtype."""
+    return target.record.numel * target.record.dtype.itemsize if target.record.dtype != target.dtype else 0
+
+
+def decode(target: Target) -> int:
+    """The dequantization workspace of a tensor stored block-quantized (GGUF), else 0."""
+    return DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
+
+
+def by_rows_nbytes(target: Target) -> int:
+    """One block of rows as read, cast and quantized, and the freed heap a trim leaves."""
+    per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
+    return int(min(target.record.numel, CHUNK_ELEMENTS) * per_element) + TRIM_AT
+
+
+def quantized_nbytes(target: Target, held: int) -> int:
+    """What quantizing ``target`` from a whole tensor holds, ``held`` bytes (as read, parts) beside its cast copy."""
+    cast = target.cast_nbytes
+    if target.scheme.by_rows:  # quantized a block of rows of the whole cast tensor at a time
+        return held + cast + by_rows_nbytes(target)
+    return max(held + cast, cast + int(target.scheme.transient * target.record.numel))

@@ -1,0 +1,238 @@
+"""How each tensor of a load travels from the file into the module, and what it holds meanwhile: one route per target.
+
+::
+
+    route_of(target, traits)   decided once per target, from the target (its parts and how they stack, its shard,
+                               its scheme, dtype and device), the load's transform and what the checkpoint can do
+        mapped         a view of the file's mapped pages (a load that maps)
+        whole          read whole; a copy to be cast, moved or quantized goes into the reused scratch buffer
+        rows           quantized a block of rows at a time, each block read on its own
+        combined       its parts read (fresh memory each), then combined by the conversion's ``fn``
+        stacked        its parts read straight into their rows of the tensor, allocated once (``stacked.py``)
+        stacked rows   the same, quantized a block of rows at a time (``stacked.py``)
+        stored         the parts of a weight stored quantized, as they are
+        shard rows     this rank's rows of a DTensor, read straight into its local part
+
+The stream asks a target's route to read it (:meth:`Route.read`); the estimate asks the same route what it
+holds beyond the final tensor while it is streamed in (:attr:`Route.transient`), so that the estimate cannot
+drift from the loop. Sizes, as ``engine/memory_estimate.py`` states them: a tensor as read beside its cast
+copy; a block of rows as read, cast and quantized (``QuantScheme.transient`` bytes per element) and the freed
+heap a trim leaves (``TRIM_AT``); a combined tensor's parts; a block-quantized (GGUF) tensor's dequantization
+workspace (``DEQUANTIZE_WORKSPACE``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from lightning_lowmem.engine.reader import Payload, Reader, local_of
+from lightning_lowmem.engine.route import Route, Traits, as_read, by_rows_nbytes, decode, quantized_nbytes
+from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
+from lightning_lowmem.plan import Target
+from lightning_lowmem.quantize.rows import RowSource
+
+
+def route_of(target: Target, traits: Traits) -> Route:
+    """The one decision of how ``target`` travels (see the module docstring)."""
+    if target.shard is not None and target.own_rows is not None and not traits.transform:
+        if target.stack is not None and stackable(target, traits, by_rows=True):
+            return Stacked(target)
+        if not target.parts and traits.reads_rows(target.record.key):
+            return ShardRows(target)
+    if traits.mapped:
+        return Mapped(target)
+    if target.stored is not None:
+        return Stored(target)
+    if target.parts:
+        by_rows = target.scheme is not None and target.scheme.by_rows
+        if target.stack is not None and target.shard is None and stackable(target, traits, by_rows):
+            return StackedRows(target) if by_rows else Stacked(target)
+        return Combined(target, requantized=target.names[0] in traits.requantized)
+    if (target.scheme is not None and target.scheme.by_rows and not traits.transform
+            and len(target.record.shape) == 2 and traits.reads_rows(target.record.key)):
+        return Rows(target)
+    return Whole(target)
+
+
+# ---- the routes
+
+@dataclass(frozen=True)
+class Mapped(Route):
+    """A view of the file's mapped pages (read plainly where the file cannot map it)."""
+
+    kind: ClassVar[str] = "mapped"
+
+    def read(self, reader: Reader) -> Payload:
+        tensor = reader.ckpt.map(self.target.record.key)
+        return tensor if tensor is not None else reader.ckpt.read(self.target.record.key)
+
+    @property
+    def transient(self) -> int:
+        return 0
+
+    @property
+    def read_nbytes(self) -> int:
+        return 0
+
+    @property
+    def final(self) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class Whole(Route):
+    """Read whole: the final tensor as read, or a copy cast, moved, quantized or cut to this rank's part."""
+
+    kind: ClassVar[str] = "whole"
+
+    @property
+    def copied(self) -> bool:
+        t = self.target
+        return t.shard is not None or t.dtype != t.record.dtype or t.device.type != "cpu" or t.scheme is not None
+
+    def read(self, reader: Reader) -> Payload:
+        rec = self.target.record
+        out = reader.scratch_view(rec.shape, rec.dtype) if self.copied else None
+        return reader.ckpt.read(rec.key, out=out)
+
+    @property
+    def transient(self) -> int:
+        t = self.target
+        if t.shard is not None:  # the whole tensor as read (and cast), this rank's part copied out of it
+            cast = t.record.numel * t.dtype.itemsize if t.dtype != t.record.dtype or t.scheme is not None else 0
+            quantize = int(t.scheme.transient * t.record.numel) if t.scheme is not None else 0
+            return t.record.tensor_nbytes + cast + quantize + decode(t)
+        if t.scheme is None:
+            return as_read(t) + decode(t)
+        return quantized_nbytes(t, as_read(t)) + decode(t)
+
+    @property
+    def read_nbytes(self) -> int:
+        return self.target.record.nbytes
+
+    @property
+    def final(self) -> bool:
+        return not self.copied
+
+    @property
+    def scratch_nbytes(self) -> int:
+        return self.target.record.tensor_nbytes if self.copied else 0
+
+
+@dataclass(frozen=True)
+class Rows(Route):
+    """A weight quantized a block of rows at a time, each block read from the file into one reused buffer."""
+
+    kind: ClassVar[str] = "rows"
+
+    def read(self, reader: Reader) -> Payload:
+        target, rec = self.target, self.target.record
+        row_elements = math.prod(rec.shape[1:])
+        buffer = torch.empty(0, dtype=rec.dtype)
+
+        def rows(start: int, stop: int) -> torch.Tensor:
+            nonlocal buffer
+            if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
+                block = reader.read(rec)
+            else:
+                n = (stop - start) * row_elements
+                if buffer.numel() < n:
+                    buffer = torch.empty(n, dtype=rec.dtype)
+                block = reader.read(rec, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
+            return block.to(dtype=target.dtype).to(device=target.device)
+
+        return RowSource(rec.shape, target.dtype, target.device, rows)
+
+    @property
+    def transient(self) -> int:
+        return by_rows_nbytes(self.target) + decode(self.target)
+
+
+@dataclass(frozen=True)
+class Combined(Route):
+    """Parts read one after the other (fresh memory each, or held for a later target that shares them), then
+    combined by the conversion's ``fn``; the parts are dropped once it is built.
+
+    Attributes:
+        requantized: the parts are weights stored quantized, held dequantized (about the cast size) meanwhile.
+    """
+
+    requantized: bool = False
+    kind: ClassVar[str] = "combined"
+
+    def read(self, reader: Reader) -> Payload:
+        target = self.target
+        tensor = reader.combine.fn(target.record.key, {p.key: reader.parts.take(p.key) for p in target.parts})
+        if tensor.untyped_storage().nbytes() > tensor.nbytes:  # a slice of a part would keep the whole part alive
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        return tensor
+
+    @property
+    def transient(self) -> int:
+        t = self.target
+        parts = sum(p.tensor_nbytes for p in t.parts) + (t.cast_nbytes if self.requantized else 0)
+        if t.scheme is None:
+            return as_read(t) + parts + decode(t)
+        return quantized_nbytes(t, as_read(t) + parts) + decode(t)
+
+    @property
+    def read_nbytes(self) -> int:
+        return sum(r.nbytes for r in self.target.parts)
+
+
+@dataclass(frozen=True)
+class Stored(Route):
+    """The parts of a weight the checkpoint holds quantized, read as they are and handed to its scheme."""
+
+    kind: ClassVar[str] = "stored"
+
+    def read(self, reader: Reader) -> Payload:
+        return {p.key: reader.ckpt.read(p.key) for p in self.target.parts}
+
+    @property
+    def transient(self) -> int:  # on CPU the parts read are the final tensors
+        t = self.target
+        return sum(p.tensor_nbytes for p in t.parts) if t.device.type != "cpu" else 0
+
+
+@dataclass(frozen=True)
+class ShardRows(Route):
+    """This rank's rows of a DTensor: read straight into its local part when stored as it is kept, else into
+    scratch and copied."""
+
+    kind: ClassVar[str] = "shard rows"
+
+    @property
+    def copied(self) -> bool:
+        return self.target.dtype != self.target.record.dtype or self.target.device.type != "cpu"
+
+    def read(self, reader: Reader) -> Payload:
+        target, rec = self.target, self.target.record
+        start, stop = target.own_rows
+        local = local_of(reader.module, target)
+        if start == stop:
+            return local
+        if not self.copied and local.is_contiguous():
+            return reader.read(rec, start, stop, out=local)
+        return reader.read(rec, start, stop, out=reader.scratch_view((stop - start, *rec.shape[1:]), rec.dtype))
+
+    @property
+    def rows_nbytes(self) -> int:
+        rec, (start, stop) = self.target.record, self.target.own_rows
+        return rec.tensor_nbytes // max(rec.shape[0], 1) * (stop - start)
+
+    @property
+    def transient(self) -> int:
+        return (self.rows_nbytes if self.copied else 0) + decode(self.target)
+
+    @property
+    def final(self) -> bool:
+        return not self.copied
+
+    @property
+    def scratch_nbytes(self) -> int:
+        return self.rows_nbytes if self.copied else 0
