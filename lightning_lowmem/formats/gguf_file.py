@@ -21,10 +21,6 @@ Each row of such a tensor is a whole number of blocks, so a block of rows is rea
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +66,7 @@ class GGUFFile(OpenedFile):
     Attributes:
         layout: the header (version, alignment, where the data starts, tensors, fields).
         fields: the header's scalar fields (``general.architecture``, ``llama.block_count``, ...);
-            array fields (the vocabulary) are left in the file (``layout.arrays`` says their lengths).
+            its array fields (the vocabulary) are ``layout.arrays``, kept compact.
 
     Args:
         path: the file.
@@ -88,17 +84,6 @@ class GGUFFile(OpenedFile):
                 "file first (llama.cpp: llama-gguf-split --merge <first part> <merged.gguf>) and load that.")
         self._infos: dict[str, TensorInfo] = {t.name: t for t in self.layout.tensors}
         self._records = {t.name: self._record(t) for t in self.layout.tensors}
-
-    @contextlib.contextmanager
-    def handle(self) -> Iterator[io.BufferedReader]:
-        """A binary file object on this file's own descriptor (a duplicate), for a parser that wants a file
-        (transformers' GGUF parser, for the vocabulary); the header was walked and bounded when the file opened."""
-        self.check_unchanged()
-        handle = os.fdopen(os.dup(self._fd), "rb")
-        try:
-            yield handle
-        finally:
-            handle.close()
 
     def _record(self, info: TensorInfo) -> TensorRecord:
         shape = tuple(reversed(info.dims))
