@@ -1,4 +1,4 @@
-"""The prompt style of a checkpoint directory, found as ``litgpt generate`` and ``litgpt chat`` find it."""
+"""The prompt style of a checkpoint, found as ``litgpt generate`` and ``litgpt chat`` find it, or a GGUF file's own."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ from pathlib import Path
 from typing import Any
 
 
-def prompt_style_for(directory: Path, config: Any) -> Any:
-    """litgpt's ``PromptStyle`` for ``directory``: its ``prompt_style.yaml`` when it has one, else the style
-    litgpt picks from the config's name (``PromptStyle.from_config``)."""
+def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None) -> Any:
+    """litgpt's ``PromptStyle`` for a checkpoint in ``directory``: its ``prompt_style.yaml`` when it has one, else
+    a GGUF file's own chat template (``gguf``: its ``GGUFSource``; rendered as transformers renders it), else the
+    style litgpt picks from the config's name (``PromptStyle.from_config``)."""
     from litgpt.prompts import PromptStyle, has_prompt_style, load_prompt_style
 
-    return load_prompt_style(directory) if has_prompt_style(directory) else PromptStyle.from_config(config)
+    if has_prompt_style(directory):
+        return load_prompt_style(directory)
+    if gguf is not None:
+        from lightning_lowmem.litgpt.chat_template import chat_template_style
+
+        style = chat_template_style(gguf.chat_template, gguf.tokenizer)
+        if style is not None:
+            return style
+    return PromptStyle.from_config(config)

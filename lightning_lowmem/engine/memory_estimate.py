@@ -22,9 +22,12 @@
                    holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
                    qkv) adds itself and its parts (stored quantized: and their dequantized
                    values); a weight stored quantized, loaded as it is, nothing on CPU (its
-                   parts are the final tensors); a tensor stored block-quantized (GGUF) is read
-                   as float32 and adds the dequantization's workspace (``DEQUANTIZE_WORKSPACE``);
-                   plus 6 MiB measured for the load itself
+                   parts are the final tensors); a tensor stored block-quantized (GGUF) adds
+                   the dequantization's workspace (``DEQUANTIZE_WORKSPACE``), and when it is
+                   kept unquantized and cast or rewritten, it is built a block of rows at a
+                   time (``row_reads.py``): one block as read (twice when the transform
+                   rewrites it), never the tensor in float32; plus 6 MiB measured for the
+                   load itself
     peak           weights + library + max(load transient, caches + activations
                    + first forward + runtime)
 """
@@ -38,10 +41,11 @@ from typing import Any
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
+from lightning_lowmem.engine.row_reads import Transform, block_rows, built_by_rows
 from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
-from lightning_lowmem.plan import Target
+from lightning_lowmem.plan import Target, row_block
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
 
@@ -142,7 +146,7 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement)
     for target in prepared.plan.targets:
-        _add_target(est, target, requantized=target.names[0] in requantized)
+        _add_target(est, target, requantized=target.names[0] in requantized, transform=prepared.options.transform)
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
     if prepared.plan.missing:
@@ -155,7 +159,8 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     return est
 
 
-def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False) -> None:
+def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False,
+                transform: Transform | None = None) -> None:
     """Count ``target``'s bytes, and the transient of streaming it in (``requantized``: built from stored quantized
     parts, which are held dequantized, about its own cast size, while it is built)."""
     numel = target.record.numel
@@ -168,6 +173,10 @@ def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False) 
     est.weights += target.final_nbytes
     scheme = target.scheme
     if scheme is None:
+        if built_by_rows(target, transform, reads_rows=True):  # GGUF: a block of rows at a time into place
+            block = block_rows(target, transform) * (numel // target.record.shape[0])
+            rewritten = 2 if row_block(transform, target.names[0]) else 1
+            read = block * read_itemsize * rewritten
         est.load_transient = max(est.load_transient, read + parts + decode)
         return
     est.quantized_params += numel

@@ -4,6 +4,8 @@
 
     for each target:  read it alone [or its parts, combined | or a block of rows at a time]
                       -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
+                      [a tensor stored block-quantized: read, transformed and cast a block of rows at a time
+                       into its final tensor (row_reads.py)]
                       [a weight stored quantized: its parts read -> into its scheme's module as they are]
 
 Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
@@ -17,7 +19,6 @@ as the one in flight, then copies this rank's part (quantized: ``Quantizer.load_
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lightning_lowmem.engine.row_reads import built_by_rows, read_built, reads_by_rows, rows_reader
 from lightning_lowmem.engine.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import assign, owner_of
@@ -58,7 +60,7 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     try:
         with torch.no_grad():
             for target, tensor in read_ahead(plan.targets, reads.read, lambda t: t.read_nbytes, reads.window):
-                _install(module, target, tensor, quantizer, transform)
+                _install(module, target, tensor, quantizer, None if reads.built_by_rows(target) else transform)
                 del tensor
                 tensors += len(target.parts) or 1
                 nbytes += reads.bytes_of(target)
@@ -132,7 +134,8 @@ class _Reads:
             t.parts or t.dtype != t.record.dtype or t.device.type != "cpu"
             or (t.shard is not None and not self.own_rows(t)) for t in plan.targets)
         self.window = 0 if transient or self.mapped else READ_AHEAD_FINAL  # transient reads are never read ahead
-        size = _scratch_size(plan, lambda t: self._copied(t) and not self.by_rows(t), self._tensor_nbytes) \
+        size = _scratch_size(plan, lambda t: self._copied(t) and not self.by_rows(t) and not self.built_by_rows(t),
+                             self._tensor_nbytes) \
             if self.window == 0 else 0
         self.scratch = ScratchBuffer(size) if size else None
         self.scratch_size = size
@@ -140,9 +143,14 @@ class _Reads:
 
     def by_rows(self, target: Target) -> bool:
         """Quantized a block of rows at a time, each read on its own: the whole weight is never read."""
-        return (self.quantizer is not None and self.transform is None and not target.parts
-                and len(target.record.shape) == 2 and self.quantizer.by_rows(target)
-                and self.ckpt.reads_rows(target.record.key))
+        return (self.quantizer is not None and not target.parts and len(target.record.shape) == 2
+                and self.quantizer.by_rows(target)
+                and reads_by_rows(target, self.transform, self.ckpt.reads_rows(target.record.key)))
+
+    def built_by_rows(self, target: Target) -> bool:
+        """Stored block-quantized and kept unquantized: read, transformed and cast a block of rows at a time."""
+        return (not target.parts and target.record.encoding is not None
+                and built_by_rows(target, self.transform, self.ckpt.reads_rows(target.record.key)))
 
     def own_rows(self, target: Target) -> bool:
         """A DTensor shard whose rows this rank reads on its own (else the whole tensor is read)."""
@@ -183,7 +191,9 @@ class _Reads:
         if target.parts:
             return _read_combined(self.parts, target, self.combine)
         if self.by_rows(target):
-            return _row_source(self.ckpt, target)
+            return _row_source(self.ckpt, target, self.transform)
+        if self.built_by_rows(target):
+            return read_built(self.ckpt, target, self.transform)
         rec = target.record
         if self.scratch is not None and rec.tensor_nbytes <= self.scratch_size and self._copied(target):
             return self.ckpt.read(rec.key, out=self.scratch.view(rec.shape, rec.dtype))
@@ -204,24 +214,12 @@ class _Reads:
         return self.ckpt.read_rows(rec.key, start, stop, out=out)
 
 
-def _row_source(ckpt: Checkpoint, target: Target) -> RowSource:
-    """``target``'s weight as blocks of rows, each read from the file into one reused buffer, cast and moved."""
-    rec = target.record
-    row_elements = math.prod(rec.shape[1:])
-    buffer = torch.empty(0, dtype=rec.dtype)
-
-    def rows(start: int, stop: int) -> torch.Tensor:
-        nonlocal buffer
-        if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
-            block = ckpt.read(rec.key)
-        else:
-            n = (stop - start) * row_elements
-            if buffer.numel() < n:
-                buffer = torch.empty(n, dtype=rec.dtype)
-            block = ckpt.read_rows(rec.key, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
-        return block.to(dtype=target.dtype).to(device=target.device)
-
-    return RowSource(rec.shape, target.dtype, target.device, rows)
+def _row_source(ckpt: Checkpoint, target: Target, transform: Transform | None) -> RowSource:
+    """``target``'s weight as blocks of rows, each read from the file into one reused buffer, transformed (a
+    :class:`~lightning_lowmem.plan.RowTransform` on blocks of its rows), cast and moved."""
+    rows = rows_reader(ckpt, target, transform)
+    return RowSource(target.record.shape, target.dtype, target.device,
+                     lambda start, stop: rows(start, stop).to(dtype=target.dtype).to(device=target.device))
 
 
 class _SharedParts:

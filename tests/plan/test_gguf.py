@@ -61,6 +61,29 @@ def test_the_llama_q_and_k_permutation_is_reversed(tiny_gguf, write_gguf, tmp_pa
                                original.model.layers[0].self_attn.q_proj.weight.detach().half().float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_quantized_tensors_load_by_blocks_of_whole_heads_as_transformers_loads_them(
+        tiny_gguf, gguf_from_pretrained, read_recorder, monkeypatch, dtype):
+    """q (4 heads of 16 rows) and k (2 heads) un-permuted two heads at a time; in bf16, every 2-d tensor cast by
+    blocks (in float32, those the processor leaves as they are are dequantized straight into place)."""
+    monkeypatch.setattr("lightning_lowmem.quantize.rows.CHUNK_ELEMENTS", 40 * 64)  # 40 rows -> 2 heads of 16
+    path = tiny_gguf["Q4_0"]
+    model = _meta_llama(path)
+    conversion = gguf_to_transformers(path, model)
+    assert conversion.row_block("model.layers.0.self_attn.q_proj.weight") == 16
+    assert conversion.row_block("model.layers.0.mlp.up_proj.weight") == 0  # left as it is by the processor
+    load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform, dtype=dtype,
+                    progress=False)
+    assert ("blk.0.attn_q.weight", 0, 32) in read_recorder.rows and ("blk.0.attn_q.weight", 32, 64) in read_recorder.rows
+    assert not [key for key in read_recorder.whole if key.endswith("attn_q.weight")]  # k: 2 heads, one block
+    cast = dtype == torch.bfloat16
+    assert (("token_embd.weight", 0, 40) in read_recorder.rows) == cast
+    assert ("token_embd.weight" in read_recorder.whole) == (not cast)
+    reference = gguf_from_pretrained(path, dtype=dtype)
+    for name, want in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], want), name
+
+
 def test_a_tied_head_is_the_embedding(tmp_path, write_gguf, gguf_from_pretrained, forward_logits):
     path = tmp_path / "tied.gguf"
     write_gguf(path, "Q8_0", tie=True)
