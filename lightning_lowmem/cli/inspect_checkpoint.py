@@ -89,12 +89,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(path: Path, ckpt: Checkpoint) -> Summary:
-    """Format, files, tensors, dtypes and bytes of an opened checkpoint."""
+    """Format, files, tensors, dtypes and bytes of an opened checkpoint: dtypes and bytes as stored (a GGUF file's
+    ggml types, ``Q4_1``, ``F16``, ..., with the bytes the file holds for them)."""
     files = [{"path": str(f.path), "format": _format_of(f), "bytes": f.path.stat().st_size} for f in ckpt.files]
+    stored = ckpt.gguf.stored_types() if ckpt.gguf is not None else {}
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     for record in ckpt.records.values():
-        dtype = str(record.dtype).removeprefix("torch.")
+        dtype = stored.get(record.key) or str(record.dtype).removeprefix("torch.")
         counts[dtype] += 1
         nbytes[dtype] += record.nbytes
     dtypes = {d: {"tensors": counts[d], "bytes": nbytes[d]} for d in sorted(counts, key=lambda d: -nbytes[d])}

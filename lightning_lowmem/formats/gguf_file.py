@@ -102,6 +102,10 @@ class GGUFFile(OpenedFile):
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 
+    def stored_types(self) -> dict[str, str]:
+        """Each tensor's ggml type as the file stores it (``"Q4_1"``, ``"F16"``, ...), by key."""
+        return {key: info.type_name for key, info in self._infos.items()}
+
     def metadata(self) -> dict[str, str]:
         """Nothing: a GGUF file's fields are not text beside the tensors (they are :attr:`fields`)."""
         return {}

@@ -207,7 +207,7 @@ def _string_array(cur: HeaderCursor, count: int, key: str, budget: Budget) -> tu
     vocabulary in about 40 ms), the bytes collected block by block, each string's length checked
     against the bytes left in the file and in the budget before it is read.
     """
-    starts, pieces, kept = array("q"), [], 0
+    starts, pieces, kept, room = array("q"), [], 0, budget.bytes
     at = cur.fill(0, f"the array {key!r}")
     first = at  # where the bytes not yet collected start in the buffer
     for _ in range(count):
@@ -217,7 +217,9 @@ def _string_array(cur: HeaderCursor, count: int, key: str, budget: Budget) -> tu
             at = first = cur.fill(8, f"the length of a string in {key!r}")
         n = int.from_bytes(cur.buffer[at:at + 8], "little")
         starts.append(kept + at + 8 - first)
-        budget.spend(key, 0, n)
+        room -= n
+        if room < 0:
+            budget.spend(key, 0, budget.bytes + 1)  # raises, naming the key
         if at + 8 + n > len(cur.buffer):
             if n > cur.file.size - (cur.start + at + 8):
                 raise short_header(cur.file, cur.start + at + 8, n, f"a string of {key!r}")
@@ -227,6 +229,7 @@ def _string_array(cur: HeaderCursor, count: int, key: str, budget: Budget) -> tu
         at += 8 + n
     pieces.append(cur.buffer[first:at])
     cur.pos = cur.start + at
+    budget.bytes = room
     return b"".join(pieces), np.frombuffer(starts, dtype=np.int64)
 
 
