@@ -17,7 +17,8 @@
                    the tensor as read when it is cast; for weights read, cast and
                    quantized a block of rows at a time (bitsandbytes, torchao int8) one
                    block as read, cast and quantized (``QuantScheme.transient``: bytes per
-                   element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``); for
+                   element, measured) + the freed heap a trim leaves (at most ``TRIM_AT``, and no
+                   more than one block's: the next block reuses it); for
                    a scheme that quantizes whole weights, the cast weight + what quantizing it
                    holds; a tensor combined from parts (an HF checkpoint's q, k, v into litgpt's
                    qkv) adds itself and its parts (stored quantized: and their dequantized
@@ -28,7 +29,9 @@
                    time (``row_reads.py``): one block as read (twice when the transform
                    rewrites it), never the tensor in float32; plus 6 MiB measured for the
                    load itself
-    peak           weights + library + max(load transient, caches + activations
+    tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
+                   vocabulary), resident from before the load to the end; 0 otherwise
+    peak           weights + library + tokenizer + max(load transient, caches + activations
                    + first forward + runtime)
 """
 
@@ -75,6 +78,7 @@ class MemoryEstimate:
     runtime: int = 0
     library: int = 0
     load_transient: int = 0
+    tokenizer: int = 0
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None
 
@@ -84,11 +88,12 @@ class MemoryEstimate:
 
     @property
     def load_peak(self) -> int:
-        return self.weights + self.library + self.load_transient
+        return self.weights + self.library + self.tokenizer + self.load_transient
 
     @property
     def generate_peak(self) -> int:
-        return self.weights + self.library + self.caches + self.activations + self.dequantized + self.runtime
+        return (self.weights + self.library + self.tokenizer + self.caches + self.activations + self.dequantized
+                + self.runtime)
 
     @property
     def peak(self) -> int:
@@ -121,6 +126,7 @@ class MemoryEstimate:
                 ("runtime (first forward: kernels, allocator)", self.runtime),
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
+                *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
 
@@ -189,7 +195,8 @@ def _add_target(est: MemoryEstimate, target: Target, requantized: bool = False,
         block = min(numel, CHUNK_ELEMENTS)
         whole = read + cast + parts if parts else 0  # a tensor combined from parts is built whole first
         per_element = read_itemsize + target.dtype.itemsize + scheme.transient
-        transient = whole + int(block * per_element) + TRIM_AT
+        working = int(block * per_element)
+        transient = whole + working + min(TRIM_AT, working)  # the next block reuses what the last one freed
     else:
         transient = max(read + cast + parts, cast + int(scheme.transient * numel))
     est.load_transient = max(est.load_transient, transient + decode)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lightning_lowmem.engine.row_reads import built_by_rows, read_built, reads_by_rows, rows_reader
+from lightning_lowmem.engine.row_reads import RowBuffer, built_by_rows, read_built, reads_by_rows, rows_reader
 from lightning_lowmem.engine.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.meta import assign, owner_of
@@ -140,6 +140,7 @@ class _Reads:
         self.scratch = ScratchBuffer(size) if size else None
         self.scratch_size = size
         self.parts = _SharedParts(ckpt, plan)
+        self.rows = RowBuffer()
 
     def by_rows(self, target: Target) -> bool:
         """Quantized a block of rows at a time, each read on its own: the whole weight is never read."""
@@ -191,9 +192,9 @@ class _Reads:
         if target.parts:
             return _read_combined(self.parts, target, self.combine)
         if self.by_rows(target):
-            return _row_source(self.ckpt, target, self.transform)
+            return _row_source(self.ckpt, target, self.transform, self.rows)
         if self.built_by_rows(target):
-            return read_built(self.ckpt, target, self.transform)
+            return read_built(self.ckpt, target, self.transform, self.rows)
         rec = target.record
         if self.scratch is not None and rec.tensor_nbytes <= self.scratch_size and self._copied(target):
             return self.ckpt.read(rec.key, out=self.scratch.view(rec.shape, rec.dtype))
@@ -214,10 +215,10 @@ class _Reads:
         return self.ckpt.read_rows(rec.key, start, stop, out=out)
 
 
-def _row_source(ckpt: Checkpoint, target: Target, transform: Transform | None) -> RowSource:
-    """``target``'s weight as blocks of rows, each read from the file into one reused buffer, transformed (a
-    :class:`~lightning_lowmem.plan.RowTransform` on blocks of its rows), cast and moved."""
-    rows = rows_reader(ckpt, target, transform)
+def _row_source(ckpt: Checkpoint, target: Target, transform: Transform | None, buffer: RowBuffer) -> RowSource:
+    """``target``'s weight as blocks of rows, each read from the file into the load's one reused buffer,
+    transformed (a :class:`~lightning_lowmem.plan.RowTransform` on blocks of its rows), cast and moved."""
+    rows = rows_reader(ckpt, target, transform, buffer)
     return RowSource(target.record.shape, target.dtype, target.device,
                      lambda start, stop: rows(start, stop).to(dtype=target.dtype).to(device=target.device))
 

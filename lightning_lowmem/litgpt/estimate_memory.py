@@ -85,7 +85,7 @@ def estimate_memory(
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
     dtype = options.dtype or torch.bfloat16
     options = LoadOptions.merge(options, dtype=dtype)
-    model, records, name, files, conversion, stored = _model_and_records(source, config, dtype, options)
+    model, records, name, files, conversion, stored, tokenizer = _model_and_records(source, config, dtype, options)
     if model is None:
         model = stand_in_module(stored.logical_records(records))
     elif options.key_map is None and (conversion is not None or looks_hf(records)):
@@ -104,6 +104,7 @@ def estimate_memory(
     prepared = prepare_load(model, records, options, files=files, check_keys=False, stored=stored)
     est = estimate_prepared(prepared, model=name, dtype=dtype, batch_size=options.batch_size, max_seq_length=length,
                             prompt_length=prompt_length or length, runtime=runtime, with_caches=is_litgpt)
+    est.tokenizer = tokenizer
     if not is_litgpt:
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated; "
                          "Linear layers guessed from key names and shapes")
@@ -111,26 +112,30 @@ def estimate_memory(
 
 
 def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype, options: LoadOptions
-                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None, StoredWeights]:
+                       ) -> tuple[nn.Module | None, dict[str, TensorRecord], str, str, Any | None, StoredWeights, int]:
     """The meta-built litgpt model (None without a config), the records to plan from, a name, the files, a GGUF
-    file's conversion (None for other checkpoints) and the weights the checkpoint holds already quantized."""
+    file's conversion (None for other checkpoints), the weights the checkpoint holds already quantized, and the bytes
+    of the tokenizer a GGUF file's vocabulary becomes (0 for other checkpoints)."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
         records = {n: TensorRecord(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype, Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
-        return model, records, source.name, f"the config {source.name!r}", None, StoredWeights()
-    conversion = None
+        return model, records, source.name, f"the config {source.name!r}", None, StoredWeights(), 0
+    conversion, tokenizer = None, 0
     weights = litgpt_weights(Path(source)) if isinstance(source, (str, Path)) else source  # what generate loads
     with Checkpoint.open(weights) as ckpt:
         records, files, stored = dict(ckpt.records), ckpt.description, stored_in(ckpt, options)
-        if ckpt.gguf is not None:  # the config and the conversion from the file, as generate() makes them
+        if ckpt.gguf is not None:  # config, conversion and tokenizer from the file, as generate() makes them
+            from lightning_lowmem.litgpt.gguf_tokenizer import tokenizer_nbytes
+
             found = read_gguf_source(ckpt, tokenizer=False)
             config = config or litgpt_config(found.hf_config, found.names)
             conversion = gguf_to_litgpt(config, ckpt, found.hf_config)
+            tokenizer = tokenizer_nbytes(ckpt.gguf.layout.arrays, found.hf_config.model_type)
     config = config or config_near(Path(source))
     model = build_meta_gpt(config) if config is not None else None
-    return model, records, getattr(config, "name", "") or str(source), files, conversion, stored
+    return model, records, getattr(config, "name", "") or str(source), files, conversion, stored, tokenizer
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:
