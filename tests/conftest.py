@@ -963,6 +963,28 @@ def tiny_gguf(tmp_path_factory, write_gguf) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def write_gguf_tensors():
+    """``write_gguf_tensors(path, architecture, tensors, fields=None)``: a GGUF file of ``tensors`` (name -> numpy
+    array, or ``(array, ggml type)`` for bytes stored as that type) and ``fields``, written by gguf's GGUFWriter."""
+    def write(path: Path, architecture: str, tensors: dict, fields: dict | None = None) -> Path:
+        import gguf
+
+        writer = gguf.GGUFWriter(path, architecture)
+        for key, value in (fields or {}).items():
+            _put_field(writer, key, value)
+        for name, tensor in tensors.items():
+            data, raw = tensor if isinstance(tensor, tuple) else (tensor, None)
+            writer.add_tensor(name, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
 def gguf_chat_model(tmp_path_factory, write_gguf) -> Path:
     """A tiny tied Llama chat model as Q8_0 with SmolLM2's byte-level BPE vocabulary, special tokens
     (``<|im_start|>`` its BOS, not added to prompts) and chat template, alone in its directory."""

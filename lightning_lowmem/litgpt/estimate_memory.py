@@ -56,8 +56,8 @@ def estimate_memory(
         source: a checkpoint (file or directory, as :func:`~lightning_lowmem.load_checkpoint` takes), a litgpt
             ``Config``, or a litgpt model name (``"pythia-1b"``; a string that is no existing path). For a
             checkpoint, the litgpt config is ``config``, else the directory's ``model_config.yaml``, its name or
-            its HF ``config.json`` (a GGUF file's: built from its metadata); without one, Linear weights are
-            guessed from key names and caches are not estimated.
+            its HF ``config.json`` (a GGUF file's: built from its metadata; the tokenizer its vocabulary becomes is
+            counted too); without one, Linear weights are guessed from key names and caches are not estimated.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         quantize / skip_quantize / key_map / max_memory: as :func:`~lightning_lowmem.load_checkpoint`.
             With ``max_memory`` (needs a litgpt config) the estimate carries the placement plan the load

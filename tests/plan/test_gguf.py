@@ -84,6 +84,37 @@ def test_block_quantized_tensors_load_by_blocks_of_whole_heads_as_transformers_l
         assert torch.equal(model.state_dict()[name], want), name
 
 
+@pytest.mark.parametrize("quantize", ["torchao.int8wo", "bnb.int8"])
+def test_quantized_by_blocks_of_whole_heads_equals_quantized_whole(tiny_gguf, read_recorder, monkeypatch, quantize):
+    """The permuted q and k, read and un-permuted two heads at a time and quantized by rows, give the bytes the
+    whole weight quantized gives (both schemes scale each row on its own)."""
+    path = tiny_gguf["Q8_0"]
+
+    def load() -> dict:
+        model = _meta_llama(path)
+        conversion = gguf_to_transformers(path, model)
+        load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform, quantize=quantize,
+                        dtype=torch.bfloat16, progress=False)
+        return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    whole = load()
+    monkeypatch.setattr("lightning_lowmem.quantize.rows.CHUNK_ELEMENTS", 24 * 64)  # 24 rows: heads of 16 split
+    read_recorder.calls.clear()
+    by_rows = load()
+    assert ("blk.0.attn_q.weight", 16, 48) in read_recorder.rows  # rows 24..48 asked: heads 1 and 2 read
+    assert whole.keys() == by_rows.keys()
+    for key in whole:
+        assert all(torch.equal(a, b) for a, b in zip(_plain(whole[key]), _plain(by_rows[key]), strict=True)), key
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s data (a torchao tensor subclass's inner tensors)."""
+    if not hasattr(t, "__tensor_flatten__") or type(t) is torch.Tensor:
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [p for name in names for p in _plain(getattr(t, name))]
+
+
 def test_a_tied_head_is_the_embedding(tmp_path, write_gguf, gguf_from_pretrained, forward_logits):
     path = tmp_path / "tied.gguf"
     write_gguf(path, "Q8_0", tie=True)
@@ -152,17 +183,10 @@ def test_without_the_conversion_the_mismatch_names_the_gguf_keys(tiny_gguf):
         load_checkpoint(model, tiny_gguf["Q8_0"], progress=False)
 
 
-def test_a_family_transformers_rebuilds_across_tensors_is_refused(tmp_path):
-    import gguf
+def test_a_family_transformers_rebuilds_across_tensors_is_refused(tmp_path, write_gguf_tensors):
     import transformers
 
-    path = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(path, "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf_tensors(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.zeros((8, 32), np.float32)})
     with init_empty():
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=8))
     with pytest.raises(CheckpointFormatError, match=r"gpt2\.gguf is a 'gpt2' GGUF file.*GPT2TensorProcessor"):

@@ -48,17 +48,10 @@ def test_the_config_decodes_no_vocabulary_and_maps_nothing(gguf_chat_model, monk
     assert str(gguf_chat_model) not in Path("/proc/self/maps").read_text()
 
 
-def test_an_architecture_transformers_does_not_read_is_named(tmp_path):
-    import gguf
+def test_an_architecture_transformers_does_not_read_is_named(tmp_path, write_gguf_tensors):
     import numpy as np
 
-    path = tmp_path / "rwkv.gguf"
-    writer = gguf.GGUFWriter(path, "rwkv6")
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf_tensors(tmp_path / "rwkv.gguf", "rwkv6", {"token_embd.weight": np.zeros((8, 32), np.float32)})
     with pytest.raises(CheckpointFormatError, match=r"rwkv\.gguf is a 'rwkv6' GGUF file; transformers reads"):
         gguf_config(path)
 
