@@ -22,7 +22,6 @@ Each row of such a tensor is a whole number of blocks, so a block of rows is rea
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
