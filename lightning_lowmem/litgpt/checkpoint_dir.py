@@ -65,9 +65,11 @@ class LitgptCheckpoint:
 
     @classmethod
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
-             require_config: bool = True) -> LitgptCheckpoint:
+             require_config: bool = True, tokenizer: bool = True) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
         directory holds several).
+
+        With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only).
 
         Raises:
             CheckpointNotFoundError: ``path`` does not exist or holds no weights.
@@ -80,11 +82,12 @@ class LitgptCheckpoint:
             raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
         weights, why = _chosen_weights(path, config, prefer)
         if _is_gguf(weights):
-            return cls._from_gguf(directory, weights, config, why)
+            return cls._from_gguf(directory, weights, config, why, tokenizer)
         origin = "given"
         if config is None:
             config, origin = _directory_config(directory, require_config)
-        return cls(directory, weights, config, _tokenizer(directory), why=why, config_source=origin)
+        return cls(directory, weights, config, _tokenizer(directory) if tokenizer else None, why=why,
+                   config_source=origin)
 
     @property
     def chosen(self) -> Chosen:
@@ -92,10 +95,11 @@ class LitgptCheckpoint:
         return Chosen(self.weights, self.why)
 
     @classmethod
-    def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str) -> LitgptCheckpoint:
+    def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str,
+                   tokenizer: bool = True) -> LitgptCheckpoint:
         """A GGUF file: the config (unless given) and the tokenizer from the file itself."""
         with Checkpoint.open(weights) as ckpt:
-            source = read_gguf_source(ckpt)
+            source = read_gguf_source(ckpt, tokenizer=tokenizer)
         origin = "given" if config is not None else "the GGUF file's metadata"
         config = config or litgpt_config(source.hf_config, source.names)
         return cls(directory, weights, config, source.tokenizer, source, why=why, config_source=origin)

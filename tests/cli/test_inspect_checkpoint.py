@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
+import pytest
 import torch
 import yaml
 
@@ -94,3 +98,50 @@ def test_a_gguf_file_with_its_config_from_the_file(tiny_gguf, capsys):
         assert got["tensors"] == len(ckpt.records)
     assert got["format"] == "GGUF" and got["bytes"] == stored < path.stat().st_size
     assert got["config"]["source"] == "the GGUF file's metadata" and got["config"]["matches"], got["config"]
+
+
+def test_a_gguf_file_s_tensor_types_as_stored(tiny_gguf, capsys):
+    path = tiny_gguf["Q4_0"]
+    assert main(["inspect", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    q4_0 = 18 / 32  # bytes per element: an fp16 scale and 32 4-bit codes per block
+    elements = 303 * 64 * 2 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)  # embedding, head, 2 x 7 weights
+    assert got["dtypes"] == {"Q4_0": {"tensors": 16, "bytes": elements * q4_0}, "F32": {"tensors": 5, "bytes": 5 * 64 * 4}}
+    assert main(["inspect", str(path)]) == 0
+    assert "dtypes      Q4_0: 16 tensors" in capsys.readouterr().out
+
+
+HEADERS_ONLY = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch, litgpt, litgpt.config, transformers, transformers.modeling_gguf_pytorch_utils, gguf  # the imports
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.integrations import ggml
+    from lightning_lowmem import MemoryMonitor
+    from lightning_lowmem.cli import main
+    import lightning_lowmem.cli.estimate, lightning_lowmem.cli.inspect_checkpoint, lightning_lowmem.litgpt.gguf
+    start = time.perf_counter()
+    with MemoryMonitor() as mon:
+        code = main(sys.argv[1:])
+    print(json.dumps({"code": code, "seconds": time.perf_counter() - start, "delta": mon.usage.rss_peak_delta}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["inspect", "estimate"])
+def test_inspect_and_estimate_of_a_smollm_sized_gguf_read_headers_only(smollm_gguf, child_env, command):
+    """An 82 MiB SmolLM2-135M-shaped file (a 49k-token vocabulary and its merges in the header), in a fresh process,
+    its imports done first. Measured (2 shared cores): +11..+16 MiB and 0.6-1.5 s after the imports (where
+    transformers' parser, a name map built per submodule and a float32 read of the embedding took +540 MiB and
+    15-35 s); bounds: +64 MiB, and 10 s for a machine shared with other work."""
+    proc = subprocess.run([sys.executable, "-c", HEADERS_ONLY, command, str(smollm_gguf), "--json"],
+                          capture_output=True, text=True, env=child_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    got = json.loads(lines[-1])
+    assert got["code"] == 0 and got["delta"] < 64 * 2**20 and got["seconds"] < 10.0, got
+    if command == "inspect":
+        summary = json.loads("\n".join(lines[:-1]))
+        assert summary["config"]["name"] == "SmolLM2-135M-Instruct" and summary["config"]["matches"]
+        assert set(summary["dtypes"]) == {"Q4_1", "F32"}
