@@ -10,8 +10,8 @@ of any other class (a LightningModule's hyper-parameters, callbacks' state) beco
 inert placeholders: nothing the pickle names is imported, constructed or run. Each
 tensor is then read on its own with ``os.preadv`` straight into the memory that becomes
 the parameter; nothing maps the file. The file's other entries (optimizer state,
-counters) come from the same pickle (:meth:`TorchZipFile.other_entries`), their tensors
-read the same way.
+counters) come from the same pickle (:meth:`TorchZipFile.other_entries`, ``entries.py``): each
+object once, each storage read once, as ``torch.load`` builds them.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError
 from lightning_lowmem.formats.discovery import ZIP_MAGIC
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
-from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef, inert_paths
+from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
+from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
 
 log = logging.getLogger(__name__)
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # the zip local file header (30 bytes)
@@ -75,8 +76,11 @@ class TorchZipFile(OpenedFile):
             self._zip = _open_zip(f, path)
             self._prefix = self._archive_prefix()
             self._check_byteorder()
-            self._checkpoint, self.inert = self._unpickle()
+            self._check_alignment()
+            self._checkpoint, self.inert, built_on = self._unpickle()
         self._state, self.entry = self._unwrap()
+        if built_on:
+            self._refuse_built_on(built_on)
         self._records: dict[str, TensorRecord] = {}
         self._locations: dict[str, _Location] = {}
         for key, value in self._state.items():
@@ -147,9 +151,20 @@ class TorchZipFile(OpenedFile):
             raise CheckpointFormatError(f"{self.path} says its byte order is {order!r}; lightning_lowmem reads "
                                         "little-endian files. Re-save it on a little-endian machine.")
 
-    def _unpickle(self) -> tuple[Any, set[str]]:
+    def _check_alignment(self) -> None:
+        """``.storage_alignment`` (torch >= 2.6) must hold a positive decimal number, as torch.load requires; the
+        records are found through the zip directory, so its value is not needed."""
+        if self._prefix + ".storage_alignment" not in self._zip.NameToInfo:
+            return
+        text = self._small_record(".storage_alignment", limit=16)
+        if not (text.isdigit() and text.isascii() and int(text) > 0):
+            raise CheckpointFormatError(
+                f"{self.path}: its record {self._prefix + '.storage_alignment'!r} holds {text[:16]!r}, not a positive "
+                f"number (torch.save writes b'64'; torch.load refuses anything else). The file is damaged. {_RESAVE}")
+
+    def _unpickle(self) -> tuple[Any, set[str], dict[int, tuple[Any, Any]]]:
         data = self._small_record("data.pkl")
-        unpickler = InertUnpickler(io.BytesIO(data), self._storage)
+        unpickler = InertUnpickler(io.BytesIO(data), self._storage, nbytes=len(data))
         try:
             obj = unpickler.load()
         except CheckpointFormatError:
@@ -158,7 +173,20 @@ class TorchZipFile(OpenedFile):
             raise CheckpointFormatError(
                 f"{self.path}: its pickle (data.pkl) cannot be read: {type(e).__name__}: {str(e)[:200]}. {_RESAVE}"
             ) from e
-        return obj, unpickler.inert
+        return obj, unpickler.inert, unpickler.built_on
+
+    def _refuse_built_on(self, built_on: dict[int, tuple[Any, Any]]) -> None:
+        """Refuse a file whose pickle sets attributes on a tensor or storage after building it (a BUILD); torch.save
+        never writes one and torch.load refuses it. Applied, ``{"offset": -64}`` would read bytes outside the
+        tensor's storage."""
+        keys = [key for key, value in self._state.items() if id(value) in built_on]
+        where = (f"tensor {format_names(keys)}" if keys else
+                 f"{len(built_on)} tensor(s) in the entries beside {'the weights' if self.entry else 'its tensors'}")
+        states = format_names([repr(state)[:60] for _, state in built_on.values()], 3, quote=False)
+        raise UnsafeCheckpointError(
+            f"{self.path}: its pickle sets attributes on {where} after building it ({states}), which torch.save "
+            "never writes and torch.load refuses; nothing was applied or read. The file was altered: download or "
+            "save it again from a source you trust.")
 
     def _storage(self, key: str, dtype: torch.dtype | None, numel: int) -> StorageRef:
         """The storage ``data/<key>`` the pickle refers to (its record is checked when a tensor uses it)."""
@@ -187,9 +215,9 @@ class TorchZipFile(OpenedFile):
         if isinstance(obj, Mapping):
             for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
                 inner = obj.get(entry)
-                if isinstance(inner, Mapping) and any(isinstance(v, TensorRef) for v in inner.values()):
+                if isinstance(inner, Mapping) and any(_is_tensor(v) for v in inner.values()):
                     return inner, entry
-            if any(isinstance(v, TensorRef) for v in obj.values()):
+            if any(_is_tensor(v) for v in obj.values()):
                 return obj, ""
         if self.inert:
             raise UnsafeCheckpointError(
@@ -209,6 +237,9 @@ class TorchZipFile(OpenedFile):
                                         "keys must be strings (module names). Save the model's state_dict().")
         if isinstance(value, TensorRef):
             return value
+        if isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild_tensor") and value.why:
+            raise CheckpointFormatError(f"{self.path}: tensor {key!r} cannot be read: {value.why}. The file is "
+                                        f"damaged or was altered. {_RESAVE}")
         if isinstance(value, Inert) and value.name.startswith("torch."):
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} is a kind lightning_lowmem cannot read (sparse, quantized, meta, "
@@ -302,30 +333,41 @@ class TorchZipFile(OpenedFile):
         """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them
         objects stand that were not built (``"hyper_parameters.path"``).
 
-        Empty for a bare state dict. The weights are not read.
+        Empty for a bare state dict. The weights are not read. Built as ``torch.load`` builds them (see
+        ``entries.py``): an object the pickle refers to twice is one object, and the tensors on one storage
+        are views of it, read once. At most one item per byte of the file is built.
         """
         if not self.entry:
             return {}, []
         rest = {name: value for name, value in self._checkpoint.items() if name != self.entry}
+        storages: dict[str, torch.Tensor] = {}
+
+        def tensor_of(ref: TensorRef, where: str) -> torch.Tensor:
+            self._locate(where, ref)  # its view fits its storage
+            if ref.storage.key not in storages:
+                storages[ref.storage.key] = self._read_storage(ref.storage, where)
+            return storages[ref.storage.key].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
+
         try:
-            return self._materialize(rest), inert_paths(rest)
+            return rebuild(rest, tensor_of, limit=self.size), inert_paths(rest)
         except RecursionError as e:
             raise CheckpointFormatError(f"{self.path}: its entries beside the weights nest too deeply to read. "
                                         f"{_RESAVE}") from e
+        except EntriesTooLargeError:
+            raise CheckpointFormatError(
+                f"{self.path}: its entries beside the weights hold more than {self.size} items, more than a file of "
+                f"{self.size} bytes can describe; the file is damaged or crafted. {_RESAVE}") from None
 
-    def _materialize(self, value: Any) -> Any:
-        """``value`` with every tensor reference read into a tensor of its own."""
-        if isinstance(value, TensorRef):
-            return self._read(self._locate("(an entry beside the weights)", value), key="(an entry beside the weights)")
-        if isinstance(value, dict):
-            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
-            for k, v in value.items():
-                out[k] = self._materialize(v)
-            return out
-        if isinstance(value, (list, tuple)):
-            items = [self._materialize(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+    def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
+        """A storage's record read whole (its bytes), checked against its CRC-32."""
+        data = self.read_into(torch.empty(storage.nbytes, dtype=torch.uint8), self._record_of(storage, where))
+        _check_crc(self.path, self._crcs[storage.key], _crc(data), where)
+        return data
+
+
+def _is_tensor(value: Any) -> bool:
+    """A tensor the pickle describes, readable or not (its view refused by the unpickler)."""
+    return isinstance(value, TensorRef) or (isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild"))
 
 
 def _crc(tensor: torch.Tensor, crc: int = 0) -> int:
