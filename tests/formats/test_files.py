@@ -82,3 +82,26 @@ def test_a_directory_passed_as_a_shard_is_refused(tmp_path):
         with init_empty():
             layer = torch.nn.Linear(2, 2)
         load_checkpoint(layer, tmp_path / "model.safetensors")
+
+
+def test_a_file_renamed_over_the_path_right_after_the_open_is_read_through_one_descriptor(tmp_path, monkeypatch):
+    """The header was read through a second open of the path (``safe_open``): a file renamed over it in between
+    paired one file's header with the other's offsets (a raw KeyError at the read)."""
+    import lightning_lowmem.formats.checkpoint as checkpoint_module
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(3)}, path)
+    save_file({"b": torch.zeros(5), "c": torch.ones(1)}, tmp_path / "other.safetensors")
+    real_open = checkpoint_module.open_regular
+
+    def open_then_rename(name):
+        fd = real_open(name)
+        if (tmp_path / "other.safetensors").exists():
+            os.replace(tmp_path / "other.safetensors", path)  # another file now has the name; fd is the first
+        return fd
+
+    monkeypatch.setattr(checkpoint_module, "open_regular", open_then_rename)
+    with Checkpoint.open(path) as ckpt:
+        assert list(ckpt.records) == ["a"]  # the header of the file that was opened
+        with pytest.raises(CheckpointFormatError, match=r"model\.safetensors was replaced by another file"):
+            ckpt.read("a")
