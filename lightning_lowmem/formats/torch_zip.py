@@ -42,7 +42,7 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # the zip local file header (30 b
 _RESAVE = "Load it with torch.load (if you trust it) and save it again with torch.save or safetensors.torch.save_file."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Location:
     offset: int  # byte offset of the storage's data in the file
     ref: TensorRef
@@ -70,10 +70,10 @@ class TorchZipFile(OpenedFile):
         self.entry = ""
         self._refs: dict[str, StorageRef] = {}  # storage key -> what the pickle says of it
         self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
-        self._crcs: dict[str, zipfile.ZipInfo] = {}  # storage key -> its record, whose CRC-32 reads are checked against
+        self._crcs: dict[str, int] = {}  # storage key -> the CRC-32 its record's bytes are checked against
         self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
         with open(fd, "rb", closefd=False) as f:  # the same descriptor: no second open of the file
-            self._zip = _open_zip(f, path)
+            self._directory = _open_zip(f, path).NameToInfo
             self._prefix = self._archive_prefix()
             self._check_byteorder()
             self._check_alignment()
@@ -88,11 +88,15 @@ class TorchZipFile(OpenedFile):
             if ref is not None:
                 self._records[key] = TensorRecord(key, ref.shape, ref.dtype, path)
                 self._locations[key] = self._locate(key, ref)
+        # Only the records of storages not located yet (the entries beside the weights) are kept from the zip
+        # directory: its entries cost ~370 bytes each, a million of them while every tensor is loaded.
+        later = (f"{self._prefix}data/{key}" for key in self._refs.keys() - self._offsets.keys())
+        self._directory = {name: self._directory[name] for name in later if name in self._directory}
 
     # ------------------------------------------------------------ headers
 
     def _archive_prefix(self) -> str:
-        pickles = [name for name in self._zip.namelist() if name.endswith("data.pkl") and name.count("/") == 1]
+        pickles = [name for name in self._directory if name.endswith("data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise CheckpointFormatError(
                 f"{self.path} is a zip archive but not a torch.save file: it holds {len(pickles)} '<name>/data.pkl' "
@@ -102,7 +106,7 @@ class TorchZipFile(OpenedFile):
     def _info(self, name: str, limit: int | None = None, what: str = "its pickle") -> zipfile.ZipInfo:
         """The central-directory entry of record ``name``: present, stored, within the file and ``limit``."""
         try:
-            info = self._zip.getinfo(self._prefix + name)
+            info = self._directory[self._prefix + name]
         except KeyError:
             raise CheckpointFormatError(f"{self.path} has no record {self._prefix + name!r}, which {what} refers to. "
                                         f"The file is incomplete or was altered. {_RESAVE}") from None
@@ -140,11 +144,11 @@ class TorchZipFile(OpenedFile):
         """A record read whole (the pickle, the byte order), checked against its CRC-32."""
         info = self._info(name, limit)
         data = self.pread(info.file_size, self._data_offset(info))
-        _check_crc(self.path, info, zlib.crc32(data), name)
+        _check_crc(self.path, info.filename, info.CRC, zlib.crc32(data), name)
         return data
 
     def _check_byteorder(self) -> None:
-        if self._prefix + "byteorder" not in self._zip.NameToInfo:
+        if self._prefix + "byteorder" not in self._directory:
             return
         order = self._small_record("byteorder", limit=16).decode("ascii", errors="replace")
         if order != "little":
@@ -154,7 +158,7 @@ class TorchZipFile(OpenedFile):
     def _check_alignment(self) -> None:
         """``.storage_alignment`` (torch >= 2.6) must hold a positive decimal number, as torch.load requires; the
         records are found through the zip directory, so its value is not needed."""
-        if self._prefix + ".storage_alignment" not in self._zip.NameToInfo:
+        if self._prefix + ".storage_alignment" not in self._directory:
             return
         text = self._small_record(".storage_alignment", limit=16)
         if not (text.isdigit() and text.isascii() and int(text) > 0):
@@ -206,7 +210,7 @@ class TorchZipFile(OpenedFile):
                     f"but the pickle says {storage.numel} x {storage.dtype or 'byte'} = {storage.nbytes} bytes. "
                     f"The file is truncated or damaged: download or save it again.")
             self._offsets[storage.key] = self._data_offset(info)
-            self._crcs[storage.key] = info
+            self._crcs[storage.key] = info.CRC
         return self._offsets[storage.key]
 
     def _unwrap(self) -> tuple[Mapping[str, Any], str]:
@@ -288,11 +292,11 @@ class TorchZipFile(OpenedFile):
             out = torch.empty(ref.shape, dtype=ref.dtype) if out is None else out
             self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize)
             if ref.offset == 0 and out.nbytes == ref.storage.nbytes:  # the whole record: check its CRC-32
-                _check_crc(self.path, self._crcs[ref.storage.key], _crc(out), key)
+                self._check_crc(ref.storage.key, _crc(out), key)
             return out
         # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
         whole = self.read_into(torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype), loc.offset)
-        _check_crc(self.path, self._crcs[ref.storage.key], _crc(whole), key)
+        self._check_crc(ref.storage.key, _crc(whole), key)
         return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
     def map(self, key: str) -> torch.Tensor | None:
@@ -316,6 +320,9 @@ class TorchZipFile(OpenedFile):
         self._check_rows_crc(key, loc, start, stop, out)
         return out
 
+    def _check_crc(self, storage_key: str, crc: int, what: str) -> None:
+        _check_crc(self.path, f"{self._prefix}data/{storage_key}", self._crcs[storage_key], crc, what)
+
     def _check_rows_crc(self, key: str, loc: _Location, start: int, stop: int, rows: torch.Tensor) -> None:
         """Blocks of rows read in order, from the first to the last, are checked against the record's CRC-32."""
         if loc.ref.offset != 0 or math.prod(loc.ref.shape) * loc.ref.dtype.itemsize != loc.ref.storage.nbytes:
@@ -327,7 +334,7 @@ class TorchZipFile(OpenedFile):
         if stop < loc.ref.shape[0]:
             self._rows_crc[key] = (stop, crc)
         else:
-            _check_crc(self.path, self._crcs[loc.ref.storage.key], crc, key)
+            self._check_crc(loc.ref.storage.key, crc, key)
 
     def other_entries(self) -> tuple[dict[str, Any], list[str]]:
         """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them
@@ -361,7 +368,7 @@ class TorchZipFile(OpenedFile):
     def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
         """A storage's record read whole (its bytes), checked against its CRC-32."""
         data = self.read_into(torch.empty(storage.nbytes, dtype=torch.uint8), self._record_of(storage, where))
-        _check_crc(self.path, self._crcs[storage.key], _crc(data), where)
+        self._check_crc(storage.key, _crc(data), where)
         return data
 
 
@@ -375,12 +382,11 @@ def _crc(tensor: torch.Tensor, crc: int = 0) -> int:
     return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
 
 
-def _check_crc(path: Path, info: zipfile.ZipInfo, crc: int, what: str) -> None:
-    if crc != info.CRC:
+def _check_crc(path: Path, name: str, expected: int, crc: int, what: str) -> None:
+    if crc != expected:
         raise CheckpointFormatError(
-            f"{path}: {what or info.filename!r}: the bytes of record {info.filename!r} do not match the CRC-32 its zip "
-            f"directory records ({crc:#010x}, expected {info.CRC:#010x}). The file is damaged: download or save it "
-            "again.")
+            f"{path}: {what or name!r}: the bytes of record {name!r} do not match the CRC-32 its zip directory "
+            f"records ({crc:#010x}, expected {expected:#010x}). The file is damaged: download or save it again.")
 
 
 def _open_zip(f: BinaryIO, path: Path) -> zipfile.ZipFile:

@@ -57,7 +57,7 @@ _BUILTINS = {name: getattr(__import__("builtins"), name)
              for name in ("set", "frozenset", "list", "dict", "tuple", "slice", "complex", "int", "float", "bool", "str")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage the pickle refers to: the zip record ``data/<key>``.
 
@@ -76,7 +76,7 @@ class StorageRef:
         return self.numel * (self.dtype.itemsize if self.dtype is not None else 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A tensor the pickle describes, not read: a view ``(offset, shape, stride)`` of a storage, in elements."""
 
