@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_CHECKPOINT, EXIT_CODES, EXIT_OK
 from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand
-from lightning_lowmem.errors import CheckpointFormatError, LowMemError
+from lightning_lowmem.errors import LowMemError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory import format_bytes
 
@@ -107,10 +107,12 @@ def fit(ckpt: Checkpoint, config: Any, source: str) -> Fit:
     """The load's plan of ``ckpt`` into litgpt's ``GPT(config)`` built on meta; its error, if any, as a ``Fit``."""
     from lightning_lowmem.engine import LoadOptions, prepare_load
     from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
+    from lightning_lowmem.litgpt.config_check import check_config_fits
     from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 
     result = Fit(name=config.name, source=source)
     try:
+        check_config_fits(config, ckpt.records, ckpt.description)
         model, options = build_meta_gpt(config), LoadOptions()
         conversion = None
         if ckpt.gguf is not None:
@@ -166,9 +168,9 @@ def _config(path: Path, name_or_yaml: str | None, ckpt: Checkpoint) -> tuple[Any
             return litgpt_config(found.hf_config, found.names), "the GGUF file's metadata", ""
         except ValueError as e:
             return None, "", f"{e} (pass --config NAME to check the fit)"
-    try:
+    try:  # a config file that is there but cannot be read is an error (CheckpointFormatError), not "none found"
         config, source = find_config(path if path.is_dir() else path.parent)
-    except (ValueError, CheckpointFormatError) as e:
+    except ValueError as e:
         return None, "", f"{e} (pass --config NAME to check the fit)"
     return config, source, ""
 

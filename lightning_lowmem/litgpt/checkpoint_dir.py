@@ -39,6 +39,7 @@ from lightning_lowmem.engine import LoadOptions, LoadReport, stored_in
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
+from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.gguf import GGUFSource, gguf_to_litgpt, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
@@ -120,6 +121,7 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
         # inference: a tensor the checkpoint lacks is an error, never a randomly initialized "adapter"
         strategy = LowMemStrategy(device=device, options=LoadOptions.merge(options, dtype=dtype), init_added=False)
         fabric = L.Fabric(accelerator=device.type, devices=1, strategy=strategy, precision=precision_flag(dtype))
+        check_config_fits(checkpoint.config, ckpt.records, ckpt.description)
         with fabric.init_module():  # the precision's default dtype; build_meta_gpt puts RoPE on meta too
             model = build_meta_gpt(checkpoint.config)
         if conversion is not None:
@@ -174,7 +176,8 @@ def find_config(directory: Path) -> tuple[Any, str]:
     Raises:
         CheckpointNotFoundError: ``directory`` is not a directory.
         ValueError: none of these gives a config; the message lists what was tried.
-        CheckpointFormatError: ``config.json`` is not a JSON object.
+        CheckpointFormatError: ``model_config.yaml`` cannot be read as a litgpt config (:func:`config_from_file`), or
+            ``config.json`` is not a JSON object.
     """
     from litgpt import Config
 
@@ -182,7 +185,7 @@ def find_config(directory: Path) -> tuple[Any, str]:
         raise CheckpointNotFoundError(f"Checkpoint directory {str(directory)!r} does not exist (or is a file). "
                                       "Check the path.")
     if (directory / "model_config.yaml").is_file():
-        return Config.from_file(directory / "model_config.yaml"), "model_config.yaml"
+        return config_from_file(directory / "model_config.yaml"), "model_config.yaml"
     with contextlib.suppress(ValueError):
         return Config.from_name(directory.name), f"the directory's name {directory.name!r}"
     tried = f"no model_config.yaml in {str(directory)!r}, and its name {directory.name!r} is no litgpt model name"
@@ -194,6 +197,25 @@ def find_config(directory: Path) -> tuple[Any, str]:
         return config_from_hf_json(directory / "config.json")
     except ValueError as e:
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}. {e}") from e
+
+
+def config_from_file(path: Path) -> Any:
+    """litgpt's ``Config.from_file(path)``, a file that is not a litgpt config being a typed error naming it.
+
+    Raises:
+        CheckpointFormatError: ``path`` is not YAML (a syntax error, a ``!!python/...`` tag, which ``yaml.safe_load``
+            refuses), not a mapping, or not ``Config``'s fields.
+    """
+    from litgpt import Config
+
+    try:
+        return Config.from_file(path)
+    except Exception as e:  # noqa: BLE001  (yaml's, litgpt's and Config's errors: any of them means a bad file)
+        raise CheckpointFormatError(
+            f"{path} is not a litgpt config ({type(e).__name__}: {' '.join(str(e).split())[:300]}). It must be a YAML "
+            "mapping of litgpt Config's fields, as litgpt "
+            "writes it (litgpt.utils.save_config); fix or remove it, or pass the config another way (--config NAME, "
+            "or config=litgpt.Config.from_name(NAME)).") from e
 
 
 def config_near(path: Path) -> Any | None:

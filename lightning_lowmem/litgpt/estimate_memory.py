@@ -27,6 +27,7 @@ from lightning_lowmem.engine import (
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt, config_near, litgpt_weights
+from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.gguf import gguf_to_litgpt, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.hf import hf_to_litgpt, looks_hf
 from lightning_lowmem.placement import MaxMemory
@@ -129,6 +130,8 @@ def _model_and_records(source: Any, config: Any | None, dtype: torch.dtype, opti
             config = config or litgpt_config(found.hf_config, found.names)
             conversion = gguf_to_litgpt(config, ckpt, found.hf_config)
     config = config or config_near(Path(source))
+    if config is not None:
+        check_config_fits(config, records, files)
     model = build_meta_gpt(config) if config is not None else None
     return model, records, getattr(config, "name", "") or str(source), files, conversion, stored
 
