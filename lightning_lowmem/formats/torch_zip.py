@@ -1,6 +1,6 @@
 """Reading torch zip files (``torch.save``: ``.pt``, ``.pth``, ``.bin``, ``.ckpt``) one tensor at a time.
 
-The file is read through its zip central directory (Python's ``zipfile``): every record
+The file is read through its zip central directory (``zip_records.py``): every record
 the pickle refers to must be there, stored (not compressed), and hold exactly the bytes
 its storage needs; each record's data is located from its own local header, so a file
 written by another zip writer reads the same as one written by torch. The pickle
@@ -16,30 +16,26 @@ object once, each storage read once, as ``torch.load`` builds them.
 
 from __future__ import annotations
 
-import collections
 import io
 import logging
 import math
-import struct
 import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError, format_names
-from lightning_lowmem.formats.discovery import ZIP_MAGIC
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
 from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
 from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
+from lightning_lowmem.formats.zip_records import RESAVE as _RESAVE
+from lightning_lowmem.formats.zip_records import ZipRecords, check_crc, crc_of
 
 log = logging.getLogger(__name__)
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # the zip local file header (30 bytes)
-_RESAVE = "Load it with torch.load (if you trust it) and save it again with torch.save or safetensors.torch.save_file."
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +68,12 @@ class TorchZipFile(OpenedFile):
         self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
         self._crcs: dict[str, int] = {}  # storage key -> the CRC-32 its record's bytes are checked against
         self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
-        with open(fd, "rb", closefd=False) as f:  # the same descriptor: no second open of the file
-            self._directory = _open_zip(f, path).NameToInfo
-            self._prefix = self._archive_prefix()
-            self._check_byteorder()
-            self._check_alignment()
-            self._checkpoint, self.inert, built_on = self._unpickle()
+        self._mapped_storages: set[str] = set()  # storages a tensor was mapped from
+        self._zip = ZipRecords(self)
+        self._prefix = self._archive_prefix()
+        self._check_byteorder()
+        self._check_alignment()
+        self._checkpoint, self.inert, built_on = self._unpickle()
         self._state, self.entry = self._unwrap()
         if built_on:
             self._refuse_built_on(built_on)
@@ -90,13 +86,12 @@ class TorchZipFile(OpenedFile):
                 self._locations[key] = self._locate(key, ref)
         # Only the records of storages not located yet (the entries beside the weights) are kept from the zip
         # directory: its entries cost ~370 bytes each, a million of them while every tensor is loaded.
-        later = (f"{self._prefix}data/{key}" for key in self._refs.keys() - self._offsets.keys())
-        self._directory = {name: self._directory[name] for name in later if name in self._directory}
+        self._zip.keep_only(f"{self._prefix}data/{key}" for key in self._refs.keys() - self._offsets.keys())
 
     # ------------------------------------------------------------ headers
 
     def _archive_prefix(self) -> str:
-        pickles = [name for name in self._directory if name.endswith("data.pkl") and name.count("/") == 1]
+        pickles = [name for name in self._zip.directory if name.endswith("data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise CheckpointFormatError(
                 f"{self.path} is a zip archive but not a torch.save file: it holds {len(pickles)} '<name>/data.pkl' "
@@ -104,51 +99,13 @@ class TorchZipFile(OpenedFile):
         return pickles[0][: -len("data.pkl")]
 
     def _info(self, name: str, limit: int | None = None, what: str = "its pickle") -> zipfile.ZipInfo:
-        """The central-directory entry of record ``name``: present, stored, within the file and ``limit``."""
-        try:
-            info = self._directory[self._prefix + name]
-        except KeyError:
-            raise CheckpointFormatError(f"{self.path} has no record {self._prefix + name!r}, which {what} refers to. "
-                                        f"The file is incomplete or was altered. {_RESAVE}") from None
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} is compressed (zip method {info.compress_type}); torch.save "
-                f"stores records uncompressed, and lightning_lowmem reads them in place. {_RESAVE}")
-        if info.file_size > self.size or (limit is not None and info.file_size > limit):
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} claims {info.file_size} bytes"
-                + (f", more than the {limit} such a record may hold" if limit is not None else
-                   f", more than the file's {self.size}") + f". The file is damaged. {_RESAVE}")
-        return info
-
-    def _data_offset(self, info: zipfile.ZipInfo) -> int:
-        """Where the record's bytes start: after its local header, whose name must match the directory's."""
-        header = self.pread(_LOCAL_HEADER.size, info.header_offset)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
-            raise CheckpointFormatError(f"{self.path}: record {info.filename!r} has no local header at byte "
-                                        f"{info.header_offset}; the file is damaged or truncated. {_RESAVE}")
-        fields = _LOCAL_HEADER.unpack(header)
-        name_length, extra_length = fields[-2], fields[-1]
-        name = self.pread(name_length, info.header_offset + _LOCAL_HEADER.size)
-        if name not in (info.filename.encode("utf-8"), info.filename.encode("cp437", errors="replace")):
-            raise CheckpointFormatError(f"{self.path}: the local header at byte {info.header_offset} names {name!r}, "
-                                        f"the central directory {info.filename!r}. The file is damaged. {_RESAVE}")
-        start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        if start + info.file_size > self.size:
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} needs bytes {start}..{start + info.file_size}, but the file "
-                f"has {self.size}. The file is truncated: download or save it again.")
-        return start
+        return self._zip.info(self._prefix + name, limit, what)
 
     def _small_record(self, name: str, limit: int | None = None) -> bytes:
-        """A record read whole (the pickle, the byte order), checked against its CRC-32."""
-        info = self._info(name, limit)
-        data = self.pread(info.file_size, self._data_offset(info))
-        _check_crc(self.path, info.filename, info.CRC, zlib.crc32(data), name)
-        return data
+        return self._zip.small_record(self._prefix + name, limit)
 
     def _check_byteorder(self) -> None:
-        if self._prefix + "byteorder" not in self._directory:
+        if self._prefix + "byteorder" not in self._zip.directory:
             return
         order = self._small_record("byteorder", limit=16).decode("ascii", errors="replace")
         if order != "little":
@@ -158,7 +115,7 @@ class TorchZipFile(OpenedFile):
     def _check_alignment(self) -> None:
         """``.storage_alignment`` (torch >= 2.6) must hold a positive decimal number, as torch.load requires; the
         records are found through the zip directory, so its value is not needed."""
-        if self._prefix + ".storage_alignment" not in self._directory:
+        if self._prefix + ".storage_alignment" not in self._zip.directory:
             return
         text = self._small_record(".storage_alignment", limit=16)
         if not (text.isdigit() and text.isascii() and int(text) > 0):
@@ -209,7 +166,7 @@ class TorchZipFile(OpenedFile):
                     f"{self.path}: tensor {key!r}: its storage record {info.filename!r} holds {info.file_size} bytes, "
                     f"but the pickle says {storage.numel} x {storage.dtype or 'byte'} = {storage.nbytes} bytes. "
                     f"The file is truncated or damaged: download or save it again.")
-            self._offsets[storage.key] = self._data_offset(info)
+            self._offsets[storage.key] = self._zip.data_offset(info)
             self._crcs[storage.key] = info.CRC
         return self._offsets[storage.key]
 
@@ -292,20 +249,27 @@ class TorchZipFile(OpenedFile):
             out = torch.empty(ref.shape, dtype=ref.dtype) if out is None else out
             self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize)
             if ref.offset == 0 and out.nbytes == ref.storage.nbytes:  # the whole record: check its CRC-32
-                self._check_crc(ref.storage.key, _crc(out), key)
+                self._check_crc(ref.storage.key, crc_of(out), key)
             return out
         # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
         whole = self.read_into(torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype), loc.offset)
-        self._check_crc(ref.storage.key, _crc(whole), key)
+        self._check_crc(ref.storage.key, crc_of(whole), key)
         return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
     def map(self, key: str) -> torch.Tensor | None:
-        """Tensor ``key`` over the file's mapped pages, not read and not CRC-checked (see
-        :meth:`OpenedFile.mapped_view`); None for a strided view."""
-        loc = self._locations[key]
-        if not loc.contiguous:
+        """Tensor ``key`` over the file's mapped pages (see :meth:`OpenedFile.mapped_view`), its storage record
+        checked against its CRC-32 over those pages (which reads each of them once); None (read it instead) for a
+        strided view, and for a second tensor on a storage already mapped: two keys on one storage are two
+        tensors of their own, as the copying load makes them, never views that write through to each other."""
+        loc, ref = self._locations[key], self._locations[key].ref
+        if not loc.contiguous or ref.storage.key in self._mapped_storages:
             return None
-        return self.mapped_view(loc.offset + loc.ref.offset * loc.ref.dtype.itemsize, loc.ref.shape, loc.ref.dtype)
+        tensor = self.mapped_view(loc.offset + ref.offset * ref.dtype.itemsize, ref.shape, ref.dtype)
+        if tensor is not None:
+            record = self.mapped_view(loc.offset, (ref.storage.nbytes,), torch.uint8)
+            self._check_crc(ref.storage.key, crc_of(record), key)
+            self._mapped_storages.add(ref.storage.key)
+        return tensor
 
     def reads_rows(self, key: str) -> bool:
         return self._locations[key].contiguous and len(self._records[key].shape) >= 1
@@ -321,7 +285,7 @@ class TorchZipFile(OpenedFile):
         return out
 
     def _check_crc(self, storage_key: str, crc: int, what: str) -> None:
-        _check_crc(self.path, f"{self._prefix}data/{storage_key}", self._crcs[storage_key], crc, what)
+        check_crc(self.path, f"{self._prefix}data/{storage_key}", self._crcs[storage_key], crc, what)
 
     def _check_rows_crc(self, key: str, loc: _Location, start: int, stop: int, rows: torch.Tensor) -> None:
         """Blocks of rows read in order, from the first to the last, are checked against the record's CRC-32."""
@@ -330,7 +294,7 @@ class TorchZipFile(OpenedFile):
         expected, crc = self._rows_crc.pop(key, (0, 0))
         if start != expected:
             return  # out of order: not checked
-        crc = _crc(rows, crc)
+        crc = crc_of(rows, crc)
         if stop < loc.ref.shape[0]:
             self._rows_crc[key] = (stop, crc)
         else:
@@ -368,7 +332,7 @@ class TorchZipFile(OpenedFile):
     def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
         """A storage's record read whole (its bytes), checked against its CRC-32."""
         data = self.read_into(torch.empty(storage.nbytes, dtype=torch.uint8), self._record_of(storage, where))
-        self._check_crc(storage.key, _crc(data), where)
+        self._check_crc(storage.key, crc_of(data), where)
         return data
 
 
@@ -377,21 +341,3 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, TensorRef) or (isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild"))
 
 
-def _crc(tensor: torch.Tensor, crc: int = 0) -> int:
-    """CRC-32 of a CPU tensor's bytes (zlib releases the GIL: a read-ahead thread computes it in parallel)."""
-    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
-
-
-def _check_crc(path: Path, name: str, expected: int, crc: int, what: str) -> None:
-    if crc != expected:
-        raise CheckpointFormatError(
-            f"{path}: {what or name!r}: the bytes of record {name!r} do not match the CRC-32 its zip directory "
-            f"records ({crc:#010x}, expected {expected:#010x}). The file is damaged: download or save it again.")
-
-
-def _open_zip(f: BinaryIO, path: Path) -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(f)
-    except Exception as e:  # zipfile raises BadZipFile, but also ValueError, NotImplementedError, ... on damaged files
-        raise CheckpointFormatError(f"{path} is a damaged zip archive ({e}); it is most likely truncated. "
-                                    "Download or save it again.") from e
