@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import WORKDIR, MiB, environment, markdown, median, run_fresh, spread, warm_page_cache
+from common import WORKDIR, comparison_rows, compare, environment, markdown, run_fresh, warm_page_cache
 
 CASES = [  # (task, file, reference method, lightning_lowmem method)
     ("into the model", "safetensors", "load_file + assign", "load_checkpoint"),
@@ -109,36 +109,15 @@ def main() -> None:
     paths = write_checkpoints(args.tensors, args.workdir)
     rows = []
     for task, kind, reference, ours in [case for case in CASES if case[1] in args.only]:
-        results = {}
-        for method in (reference, ours):
-            runs = []
-            for _ in range(args.repeat):
-                warm_page_cache(paths[kind])
-                runs.append(run_fresh(__file__, ["--child", method, str(paths[kind]), str(args.tensors)]))
-            errors = [r["error"] for r in runs if "error" in r]
-            results[method] = errors[0] if errors else runs
-        rows += _rows(task, kind, reference, ours, results)
+        def run(method: str, kind: str = kind) -> dict:
+            warm_page_cache(paths[kind])
+            return run_fresh(__file__, ["--child", method, str(paths[kind]), str(args.tensors)])
+
+        rows += comparison_rows([task, kind], reference, ours, compare([reference, ours], run, args.repeat))
     print(f"{args.tensors:,} float32 scalar tensors into one module; median of {args.repeat} fresh processes")
     print(environment(["safetensors"]))
     print(markdown(["task", "file", "method", "seconds", "peak MiB above start", "lowmem / reference"], rows))
 
-
-def _rows(task: str, kind: str, reference: str, ours: str, results: dict) -> list[list[str]]:
-    rows = []
-    for method in (reference, ours):
-        runs = results[method]
-        if isinstance(runs, str):
-            rows.append([task, kind, method, f"error: {runs}", "", ""])
-            continue
-        seconds, peaks = [r["seconds"] for r in runs], [r["peak"] for r in runs]
-        ratio = ""
-        if method == ours and not isinstance(results[reference], str):
-            ref = results[reference]
-            ratio = (f"{median(seconds) / median([r['seconds'] for r in ref]):.2f}x time, "
-                     f"{median(peaks) / max(median([r['peak'] for r in ref]), 1):.2f}x memory")
-        rows.append([task, kind, method, f"{median(seconds):.2f} ({spread(seconds, 2)})", f"{median(peaks) / MiB:.0f}",
-                     ratio])
-    return rows
 
 
 if __name__ == "__main__":
