@@ -93,6 +93,8 @@ class Target:
     @property
     def read_nbytes(self) -> int:
         """Bytes read from the checkpoint for this tensor (only this rank's rows of a row shard)."""
+        if self.shard is None and not self.parts:  # the common case, asked several times per tensor
+            return self.record.nbytes
         rows = self.own_rows
         if rows is not None:
             return self.record.nbytes // max(self.record.shape[0], 1) * (rows[1] - rows[0])
