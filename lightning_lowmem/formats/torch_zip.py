@@ -219,12 +219,13 @@ class TorchZipFile(OpenedFile):
         if storage.nbytes % itemsize:
             raise CheckpointFormatError(f"{self.path}: tensor {key!r} is {ref.dtype}, but its storage holds "
                                         f"{storage.nbytes} bytes, not a whole number of elements. {_RESAVE}")
-        if math.prod(ref.shape):
-            last = ref.offset + sum((size - 1) * stride for size, stride in zip(ref.shape, ref.stride))
-            if last >= elements:
-                raise CheckpointFormatError(
-                    f"{self.path}: tensor {key!r} (shape {list(ref.shape)}, stride {list(ref.stride)}, offset "
-                    f"{ref.offset}) reaches element {last} of a storage of {elements}. The file is damaged. {_RESAVE}")
+        # the view's last element must be in the storage; an empty view's offset at most at its end (torch checks it)
+        last = ref.offset + sum((size - 1) * stride for size, stride in zip(ref.shape, ref.stride)) \
+            if math.prod(ref.shape) else ref.offset - 1
+        if last >= elements:
+            raise CheckpointFormatError(
+                f"{self.path}: tensor {key!r} (shape {list(ref.shape)}, stride {list(ref.stride)}, offset "
+                f"{ref.offset}) reaches element {last} of a storage of {elements}. The file is damaged. {_RESAVE}")
         return _Location(start, ref)
 
     # ------------------------------------------------------------ data

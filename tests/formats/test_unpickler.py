@@ -105,6 +105,12 @@ def test_a_view_with_impossible_numbers_is_a_typed_error_naming_the_key(tmp_path
         Checkpoint.open(tmp_path / "view.pt")
 
 
+def test_an_empty_view_past_its_storage_beside_the_weights_is_a_typed_error(tmp_path):
+    torch.save({"model": {"w": torch.ones(2)}, "empty": _View(2**40, (0,), (1,))}, tmp_path / "empty.ckpt")
+    with Checkpoint.open(tmp_path / "empty.ckpt") as ckpt, pytest.raises(CheckpointFormatError, match="reaches element"):
+        ckpt.other_entries()
+
+
 def test_a_broadcast_view_beside_the_weights_is_a_view_as_torch_gives_it(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}, "big": _View(0, (2**40,), (0,))}, tmp_path / "expand.ckpt")
     with MemoryMonitor() as monitor, Checkpoint.open(tmp_path / "expand.ckpt") as ckpt:
