@@ -104,10 +104,17 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["safetensors", "bin"], choices=["safetensors", "bin"],
                         help="the files to load (default: both)")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "INDEX", "N"), help=argparse.SUPPRESS)
+    parser.add_argument("--write", nargs=3, metavar=("N", "WORKDIR", "KIND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]), int(args.child[2]))))
         return
+    if args.write:
+        write_shards(int(args.write[0]), Path(args.write[1]), args.write[2])
+        print("{}")
+        return
+    for kind in args.only:  # in a process of its own: its memory goes
+        run_fresh(__file__, ["--write", str(args.shards), str(args.workdir), kind])
     indexes = {kind: write_shards(args.shards, args.workdir, kind) for kind in args.only}
     rows = []
     for task, kind, reference, ours in [case for case in CASES if case[1] in args.only]:

@@ -136,3 +136,21 @@ def test_first_forward_gives_its_temporaries_back(large_checkpoint, child_env, s
         pytest.skip(f"bitsandbytes kept only {untrimmed / 2**20:.0f} MiB here: no 4-bit repack on this CPU")
     assert trimmed <= 24 * 2**20
     assert trimmed <= 0.6 * untrimmed
+
+
+def test_the_collector_is_paused_for_a_load_and_runs_again_after_it_even_on_an_error(tmp_path):
+    import gc
+
+    from safetensors.torch import save_file
+
+    from lightning_lowmem import CheckpointMismatchError, init_empty, load_checkpoint
+
+    save_file({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, tmp_path / "model.safetensors")
+    seen = []
+    with init_empty():
+        layer = torch.nn.Linear(2, 2)
+    load_checkpoint(layer, tmp_path / "model.safetensors", transform=lambda n, t: seen.append(gc.isenabled()) or t)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(CheckpointMismatchError), init_empty():
+        load_checkpoint(torch.nn.Linear(3, 2), tmp_path / "model.safetensors")
+    assert gc.isenabled()

@@ -33,7 +33,7 @@ from lightning_lowmem.engine.shard_checks import check_sharded
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.errors import MetaTensorError, format_names
-from lightning_lowmem.memory import MemoryMonitor
+from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
 from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
@@ -117,7 +117,8 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
+    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack, \
+            collector_paused():
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             ckpt = stack.enter_context(opened(checkpoint))
             prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
@@ -142,7 +143,7 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         monitor: a running monitor whose block covers this load; without one, the load gets its own.
     """
     if monitor is None:
-        with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
+        with MemoryMonitor(device=cuda_or_none(prepared.device)) as own, collector_paused():
             report = load_prepared(prepared, ckpt, own)
         return _finish_report(report, own)
     return _load_whole_or_not_at_all(prepared.module, lambda: (prepared, ckpt))

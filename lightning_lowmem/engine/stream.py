@@ -60,9 +60,10 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
             for target, tensor in read_ahead(plan.targets, reads.read, lambda t: t.read_nbytes, reads.window):
                 _install(module, target, tensor, quantizer, transform)
                 del tensor
+                size = target.read_nbytes
                 tensors += len(target.parts) or 1
-                nbytes += reads.bytes_of(target)
-                bar.update(target.read_nbytes)
+                nbytes += reads.bytes_of(target, size)
+                bar.update(size)
     finally:
         bar.close()
     return tensors, nbytes, reads.mapped
@@ -148,13 +149,13 @@ class _Reads:
         """A DTensor shard whose rows this rank reads on its own (else the whole tensor is read)."""
         return target.own_rows is not None and self.transform is None and self.ckpt.reads_rows(target.record.key)
 
-    def bytes_of(self, target: Target) -> int:
-        """Bytes read for ``target``."""
+    def bytes_of(self, target: Target, read_nbytes: int) -> int:
+        """Bytes read for ``target``, whose ``read_nbytes`` is given."""
         if self.mapped:
             return 0
         if target.shard is not None and not self.own_rows(target):
             return sum(r.nbytes for r in target.parts) if target.parts else target.record.nbytes
-        return target.read_nbytes
+        return read_nbytes
 
     def _tensor_nbytes(self, target: Target) -> int:
         """Bytes of the tensor read for ``target`` as it comes out of the file (a GGUF tensor: dequantized)."""

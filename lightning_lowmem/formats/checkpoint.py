@@ -27,6 +27,7 @@ from lightning_lowmem.formats.gguf_file import GGUFFile
 from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
 from lightning_lowmem.formats.safetensors_file import SafetensorsFile
 from lightning_lowmem.formats.torch_zip import TorchZipFile
+from lightning_lowmem.memory import collector_paused
 
 _READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile, "gguf": GGUFFile}
 MAX_OPEN_FILES = 64
@@ -107,13 +108,14 @@ class Checkpoint:
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         """Open ``path``: a file, a ``*.index.json`` or a directory. Reads headers only."""
-        files = _open_files(path)
-        try:
-            return cls(files)
-        except BaseException:
-            for f in files:
-                f.close()
-            raise
+        with collector_paused():  # a record or two per tensor: a million of them
+            files = _open_files(path)
+            try:
+                return cls(files)
+            except BaseException:
+                for f in files:
+                    f.close()
+                raise
 
     @property
     def paths(self) -> list[Path]:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.errors import CheckpointFormatError
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord
 
@@ -36,7 +36,6 @@ DTYPES: dict[str, torch.dtype] = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _DAMAGED = "The file is truncated or damaged (or still downloading): compare its size with the source and download it again."
 
 
@@ -79,37 +78,31 @@ def read_header(file: OpenedFile) -> SafetensorsHeader:
 
 
 def _parse(text: bytes, path: Path) -> dict[str, Any]:
-    """The header's JSON: name -> :class:`_Entry` (or what stood there when it is not an entry)."""
+    """The header's JSON: name -> :class:`_Entry` (or what stood there when it is not an entry).
+
+    A name given twice keeps its last entry, as ``safetensors`` keeps it; the entry dropped leaves its bytes
+    uncovered, which the check that the tensors tile the data then refuses (unless both are the same).
+    """
     if text[:1] != b"{":
         raise CheckpointFormatError(f"{path}: its header does not start with '{{' (it starts {text[:16]!r}). "
                                     f"{_DAMAGED}")
     try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=_object)
+        header = json.loads(text.decode("utf-8"), object_hook=_object)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CheckpointFormatError(f"{path}: its header is not valid UTF-8 JSON ({type(e).__name__}: "
                                     f"{str(e)[:200]}). {_DAMAGED}") from e
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{path}: its header is not a JSON object of tensors. {_DAMAGED}")
-    if isinstance(header.get(_DUPLICATE), list):
-        raise CheckpointFormatError(f"{path}: its header names {format_names(header[_DUPLICATE])} more than once; "
-                                    f"each tensor is named once. {_DAMAGED}")
     return header
 
 
-_DUPLICATE = "\0duplicates"  # a name no JSON key of a valid header can be: where _object lists repeated keys
-
-
-def _object(pairs: list[tuple[str, Any]]) -> Any:
-    """A JSON object as it is parsed: a tensor's entry becomes a compact :class:`_Entry` at once (1e6 small
-    dicts would cost ~0.5 GB); any other object a dict, its repeated keys noted."""
-    entry = dict(pairs)
-    if len(entry) >= 3 and _ENTRY_KEYS.issubset(entry):  # other fields are ignored, as safetensors ignores them
+def _object(entry: dict[str, Any]) -> Any:
+    """A JSON object as it is parsed: a tensor's entry becomes a compact :class:`_Entry` at once (a million small
+    dicts would cost ~0.5 GB); other fields in it are ignored, as safetensors ignores them."""
+    if len(entry) >= 3 and "data_offsets" in entry and "dtype" in entry and "shape" in entry:
         offsets = entry["data_offsets"]
         if type(offsets) is list and len(offsets) == 2:
             return _Entry(entry["dtype"], entry["shape"], offsets[0], offsets[1])
-    if len(entry) != len(pairs):
-        seen: set[str] = set()
-        entry[_DUPLICATE] = [k for k, _ in pairs if k in seen or seen.add(k)]
     return entry
 
 
@@ -125,42 +118,43 @@ def _records(entries: dict[str, Any], path: Path, data_start: int,
              data_size: int) -> tuple[dict[str, TensorRecord], dict[str, int]]:
     """Each entry checked and made a record; the byte ranges checked to tile the data exactly."""
     records: dict[str, TensorRecord] = {}
-    offsets: dict[str, int] = {}
+    ranges: list[tuple[int, int, str]] = []
     for name, entry in entries.items():
         dtype, shape = _checked(name, entry, path)
         records[name] = TensorRecord(name, shape, dtype, path)
-        offsets[name] = entry.begin
-    order = sorted(offsets, key=lambda name: (offsets[name], entries[name].end))
+        ranges.append((entry.begin, entry.end, name))
+    ranges.sort()
     end = 0
-    for name in order:
-        if offsets[name] != end:
+    for begin, stop, name in ranges:
+        if begin != end:
             raise CheckpointFormatError(
-                f"{path}: tensor {name!r} starts at byte {offsets[name]} of the data, where the tensor before it "
-                f"ends at {end}: the tensors' bytes must follow each other with no gap or overlap. {_DAMAGED}")
-        end = entries[name].end
-        offsets[name] += data_start
+                f"{path}: tensor {name!r} starts at byte {begin} of the data, where the tensor before it ends at "
+                f"{end}: the tensors' bytes must follow each other with no gap or overlap. {_DAMAGED}")
+        end = stop
     if end != data_size:
         raise CheckpointFormatError(f"{path}: its tensors take {end} bytes, but the file holds {data_size} after the "
                                     f"header. {_DAMAGED}")
-    return records, offsets
+    return records, {name: data_start + begin for begin, _, name in ranges}
 
 
 def _checked(name: str, entry: Any, path: Path) -> tuple[torch.dtype, tuple[int, ...]]:
     """The dtype and shape of a well-formed entry whose byte range is exactly its tensor's size."""
-    if not isinstance(entry, _Entry):
+    if type(entry) is not _Entry:
         raise CheckpointFormatError(f"{path}: the header's entry for {name!r} is not {{'dtype', 'shape', "
                                     f"'data_offsets': [begin, end]}} ({str(entry)[:100]}). {_DAMAGED}")
-    if type(entry.dtype) is not str or entry.dtype not in DTYPES:
+    dtype = DTYPES.get(entry.dtype) if type(entry.dtype) is str else None
+    if dtype is None:
         raise CheckpointFormatError(
             f"{path}: tensor {name!r} has dtype {str(entry.dtype)[:40]}, which lightning_lowmem cannot load. "
             f"Supported: {', '.join(DTYPES)}.")
-    numbers = (*entry.shape, entry.begin, entry.end) if type(entry.shape) is list else (None,)
-    if not all(type(n) is int and 0 <= n < 2**63 for n in numbers):
-        raise CheckpointFormatError(f"{path}: tensor {name!r} has shape {str(entry.shape)[:100]} and data offsets "
-                                    f"[{entry.begin}, {entry.end}]: they must be non-negative integers. {_DAMAGED}")
-    dtype, shape = DTYPES[entry.dtype], tuple(entry.shape)
-    if entry.end - entry.begin != math.prod(shape) * dtype.itemsize:
+    shape, begin, end = entry.shape, entry.begin, entry.end
+    if not (type(shape) is list and type(begin) is int and type(end) is int and 0 <= begin <= end < 2**63
+            and all(type(n) is int and 0 <= n < 2**63 for n in shape)):
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has shape {str(shape)[:100]} and data offsets "
+                                    f"[{begin}, {end}]: they must be non-negative integers. {_DAMAGED}")
+    numel = math.prod(shape)
+    if end - begin != numel * dtype.itemsize:
         raise CheckpointFormatError(
-            f"{path}: tensor {name!r} ({list(shape)} x {entry.dtype}) needs {math.prod(shape) * dtype.itemsize} "
-            f"bytes, but its data offsets [{entry.begin}, {entry.end}] hold {entry.end - entry.begin}. {_DAMAGED}")
-    return dtype, shape
+            f"{path}: tensor {name!r} ({shape} x {entry.dtype}) needs {numel * dtype.itemsize} bytes, but its "
+            f"data offsets [{begin}, {end}] hold {end - begin}. {_DAMAGED}")
+    return dtype, tuple(shape)

@@ -331,7 +331,10 @@ def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | 
     return dtype if dtype is not None else tensor.dtype
 
 
+_CPU = torch.device("cpu")  # made once: torch.device("cpu") costs microseconds, once per tensor of the plan
+
+
 def _target_device(tensor: torch.Tensor, device: torch.device | None) -> torch.device:
     if device is not None:
         return device
-    return torch.device("cpu") if tensor.is_meta else tensor.device
+    return _CPU if tensor.is_meta else tensor.device

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_lowmem import Checkpoint, CheckpointFormatError, init_empty, load_checkpoint
-from lightning_lowmem.formats.files import NAME_CHECK_SECONDS
+from lightning_lowmem.formats.files import CHECK_SECONDS
 
 
 def _open_descriptors() -> int:
@@ -67,7 +67,7 @@ def test_a_file_changed_during_the_load_is_caught_and_the_module_untouched(tmp_p
             else:  # a new file moved over the name, as a download tool does
                 save_file({k: v.contiguous() for k, v in other.items()}, tmp_path / "new.safetensors")
                 os.replace(tmp_path / "new.safetensors", path)
-            time.sleep(NAME_CHECK_SECONDS)  # small reads check the path at least this often (and once at the end)
+            time.sleep(CHECK_SECONDS)  # small reads check the file at least this often (and once at the end)
         seen.append(name)
         return tensor
 

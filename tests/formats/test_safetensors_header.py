@@ -89,7 +89,8 @@ def test_a_header_is_read_as_safetensors_reads_it(tmp_path, edits):
     ('{"a": [1, 2]}', "entry for 'a' is not"),
     ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": 3}', "entry for 'b' is not"),
     ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
-     '"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "names 'a' more than once"),
+     '"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "'a' starts at byte 4 of the data, where the "
+                                                                     "tensor before it ends at 0"),
     ('{"__metadata__": {"k": 1}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "__metadata__"),
     ('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, \xff}', "UTF-8 JSON"),
 ])
