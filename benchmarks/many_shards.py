@@ -6,9 +6,9 @@
 The checkpoint is ``N`` tensors of 256 float32 (``p<i>``), one per shard, as ``save_pretrained`` lays out a
 sharded set: ``model-<i>-of-<N>.safetensors`` (or ``pytorch_model-<i>-of-<N>.bin``, written by ``torch.save``)
 and the index naming them, written once under --workdir. The model is one module holding the ``N``
-parameters, built on meta before the clock starts. Every method runs in a fresh process, under the
-descriptor limit it inherits (``ulimit -n``, printed; 1024 by default), the files read once into the page
-cache just before:
+parameters, built on meta before the clock starts. Every method runs in a fresh process whose descriptor
+limit is lowered to Linux's default, 1024 (when it is higher), the files read once into the page cache just
+before:
 
 - into the model: every shard read by ``safetensors.torch.load_file`` (or ``torch.load``) into one state dict,
   then ``load_state_dict(assign=True)``, as transformers' and accelerate's loaders do, against
@@ -31,6 +31,7 @@ from pathlib import Path
 from common import WORKDIR, comparison_rows, compare, environment, markdown, run_fresh
 
 ELEMENTS = 256
+DESCRIPTORS = 1024
 CASES = [  # (task, file, reference method, lightning_lowmem method)
     ("into the model", "safetensors", "load_file each + assign", "load_checkpoint"),
     ("into the model", "bin", "torch.load each + assign", "load_checkpoint"),
@@ -63,7 +64,10 @@ def write_shards(n: int, workdir: Path, kind: str) -> Path:
 
 
 def child(method: str, index: Path, n: int) -> dict:
-    """One method in this fresh process: the load's seconds and peak RSS above the RSS just before it."""
+    """One method in this fresh process, under at most 1024 descriptors (Linux's default): the load's seconds and
+    peak RSS above the RSS just before it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, DESCRIPTORS), hard))
     import torch
     from safetensors.torch import load_file
     from torch import nn
@@ -123,7 +127,7 @@ def main() -> None:
             return run_fresh(__file__, ["--child", method, str(indexes[kind]), str(args.shards)])
 
         rows += comparison_rows([task, kind], reference, ours, compare([reference, ours], run, args.repeat))
-    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], DESCRIPTORS)
     print(f"{args.shards:,} shards of one {ELEMENTS}-element float32 tensor each, into one module; descriptor limit "
           f"{limit}; median of {args.repeat} fresh processes")
     print(environment(["safetensors"]))
