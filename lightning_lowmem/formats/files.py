@@ -24,6 +24,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -99,8 +100,17 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
         done += n
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+class _Identity(NamedTuple):
+    """What tells a file apart (a whole ``stat_result`` costs ~600 bytes: 10,000 shards, 6 MB)."""
+
+    st_dev: int
+    st_ino: int
+    st_size: int
+    st_mtime_ns: int
+
+
+def _identity(st: os.stat_result | _Identity) -> _Identity:
+    return _Identity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 class OpenedFile:
@@ -114,7 +124,7 @@ class OpenedFile:
     def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self._descriptor: int | None = fd
-        self._stat = os.fstat(fd)
+        self._stat = _identity(os.fstat(fd))
         self._mapped: torch.Tensor | None = None
         self._checked_at = time.monotonic()  # when the file was last checked
         self._lock = threading.Lock()  # reopening is one thread's job
@@ -133,7 +143,7 @@ class OpenedFile:
             fd = open_regular(self.path)
         except CheckpointNotFoundError as e:
             raise self._changed("was deleted or renamed") from e
-        if _identity(os.fstat(fd)) != _identity(self._stat):
+        if _identity(os.fstat(fd)) != self._stat:
             os.close(fd)
             raise self._changed("was replaced by another file or changed")
         return fd
@@ -187,7 +197,7 @@ class OpenedFile:
             raise self._changed("was deleted or renamed") from None
         if (named_stat.st_dev, named_stat.st_ino) != (self._stat.st_dev, self._stat.st_ino):
             raise self._changed("was replaced by another file")
-        if _identity(named_stat) != _identity(self._stat):
+        if _identity(named_stat) != self._stat:
             raise self._changed(f"changed (size {self._stat.st_size} -> {named_stat.st_size} bytes, modified again)")
 
     def _changed(self, what: str) -> CheckpointFormatError:

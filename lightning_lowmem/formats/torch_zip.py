@@ -68,7 +68,7 @@ class TorchZipFile(OpenedFile):
         self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
         self._crcs: dict[str, int] = {}  # storage key -> the CRC-32 its record's bytes are checked against
         self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
-        self._mapped_storages: set[str] = set()  # storages a tensor was mapped from
+        self._mapped_storages: set[str] | None = None  # storages a tensor was mapped from (made when mapped)
         self._zip = ZipRecords(self)
         self._prefix = self._archive_prefix()
         self._check_byteorder()
@@ -263,12 +263,13 @@ class TorchZipFile(OpenedFile):
         strided view, and for a second tensor on a storage already mapped: two keys on one storage are two
         tensors of their own, as the copying load makes them, never views that write through to each other."""
         loc, ref = self._locations[key], self._locations[key].ref
-        if not loc.contiguous or ref.storage.key in self._mapped_storages:
+        if not loc.contiguous or ref.storage.key in (self._mapped_storages or ()):
             return None
         tensor = self.mapped_view(loc.offset + ref.offset * ref.dtype.itemsize, ref.shape, ref.dtype)
         if tensor is not None:
             record = self.mapped_view(loc.offset, (ref.storage.nbytes,), torch.uint8)
             self._check_crc(ref.storage.key, crc_of(record), key)
+            self._mapped_storages = self._mapped_storages or set()
             self._mapped_storages.add(ref.storage.key)
         return tensor
 
