@@ -1,7 +1,8 @@
 """Exit codes, and how an error is told on stderr.
 
 * 0: done.
-* 1: a checkpoint error: missing, unreadable, unsafe, or not fitting its config; a memory budget
+* 1: a checkpoint error: missing, unreadable, unsafe, or not fitting its config (a config file that cannot be
+  read included); a memory budget
   that cannot hold the model; a device that is not there (any other ``LowMemError``).
 * 2: a bad argument: a flag argparse refuses, an unknown quantization scheme, a prompt the
   checkpoint cannot take, no litgpt config found (``ValueError`` / ``TypeError``).
@@ -19,7 +20,8 @@ EXIT_ARGUMENT = 2
 
 EXIT_CODES = """exit codes:
   0  done
-  1  a checkpoint error (missing, unreadable, or not fitting its config), a memory budget or a device error
+  1  a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot be read),
+     a memory budget or a device error
   2  a bad argument (a flag, a quantization scheme, a prompt the checkpoint cannot take, or no litgpt config
      found: pass --config)"""
 

@@ -117,12 +117,12 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint, options: Lo
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack, \
-            collector_paused():
+    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             ckpt = stack.enter_context(opened(checkpoint))
-            prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
-                                    check_keys=on_plan is None, stored=stored_in(ckpt, options))
+            with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
+                prepared = prepare_load(module, ckpt.records, options, files=ckpt.description,
+                                        check_keys=on_plan is None, stored=stored_in(ckpt, options))
             if on_plan is not None:
                 on_plan(prepared)
             return prepared, ckpt
@@ -143,7 +143,7 @@ def load_prepared(prepared: PreparedLoad, ckpt: Checkpoint, monitor: MemoryMonit
         monitor: a running monitor whose block covers this load; without one, the load gets its own.
     """
     if monitor is None:
-        with MemoryMonitor(device=cuda_or_none(prepared.device)) as own, collector_paused():
+        with MemoryMonitor(device=cuda_or_none(prepared.device)) as own:
             report = load_prepared(prepared, ckpt, own)
         return _finish_report(report, own)
     return _load_whole_or_not_at_all(prepared.module, lambda: (prepared, ckpt))

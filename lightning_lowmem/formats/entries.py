@@ -56,9 +56,10 @@ class _Rebuild:
             return out
         self._spend(len(value))
         if isinstance(value, dict):  # made before its items, so an item may refer back to it (pickle allows)
-            out = self.built[id(value)] = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
+            ordered = isinstance(value, collections.OrderedDict)
+            out = self.built[id(value)] = collections.OrderedDict() if ordered else {}
             out.update((k, self.build(v, f"{where}.{k}" if where else str(k))) for k, v in value.items())
-            if isinstance(value, collections.OrderedDict):
+            if ordered:
                 out.__dict__.update(value.__dict__)  # a state dict's _metadata
         elif isinstance(value, list):
             out = self.built[id(value)] = []

@@ -36,7 +36,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-_DAMAGED = "The file is truncated or damaged (or still downloading): compare its size with the source and download it again."
+_DAMAGED = ("The file is truncated or damaged (or still downloading): compare its size with the source and download it "
+            "again.")
 
 
 class _Entry(NamedTuple):

@@ -96,7 +96,8 @@ def _widths(config: Any, records: Mapping[str, TensorRecord]) -> list[tuple[str,
                           f"{list(embedding.shape)}"))
     heads, groups, size = config.n_head, config.n_query_groups, config.head_size
     expected = {  # the first block's attention weights: rows (dim 0) or columns (dim 1), from the config
-        "transformer.h.0.attn.qkv.weight": (0, (heads + 2 * groups) * size, "(n_head + 2 * n_query_groups) * head_size"),
+        "transformer.h.0.attn.qkv.weight": (0, (heads + 2 * groups) * size,
+                                            "(n_head + 2 * n_query_groups) * head_size"),
         "transformer.h.0.attn.proj.weight": (1, heads * size, "n_head * head_size"),
         "model.layers.0.self_attn.q_proj.weight": (0, heads * size, "n_head * head_size"),
         "model.layers.0.self_attn.k_proj.weight": (0, groups * size, "n_query_groups * head_size"),

@@ -36,7 +36,8 @@ def _theirs(path: Path) -> dict | None:
     """What safetensors reads: name -> (shape, dtype, bytes), or None when it refuses the file."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype(), f.get_tensor(k)) for k in f.keys()}
+            return {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype(), f.get_tensor(k))
+                    for k in f.keys()}
     except Exception:  # noqa: BLE001  (any refusal)
         return None
 

@@ -107,8 +107,9 @@ def test_a_view_with_impossible_numbers_is_a_typed_error_naming_the_key(tmp_path
 
 def test_an_empty_view_past_its_storage_beside_the_weights_is_a_typed_error(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}, "empty": _View(2**40, (0,), (1,))}, tmp_path / "empty.ckpt")
-    with Checkpoint.open(tmp_path / "empty.ckpt") as ckpt, pytest.raises(CheckpointFormatError, match="reaches element"):
-        ckpt.other_entries()
+    with Checkpoint.open(tmp_path / "empty.ckpt") as ckpt:
+        with pytest.raises(CheckpointFormatError, match="reaches element"):
+            ckpt.other_entries()
 
 
 def test_a_broadcast_view_beside_the_weights_is_a_view_as_torch_gives_it(tmp_path):
