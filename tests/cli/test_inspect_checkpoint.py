@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -145,3 +146,59 @@ def test_inspect_and_estimate_of_a_smollm_sized_gguf_read_headers_only(smollm_gg
         summary = json.loads("\n".join(lines[:-1]))
         assert summary["config"]["name"] == "SmolLM2-135M-Instruct" and summary["config"]["matches"]
         assert set(summary["dtypes"]) == {"Q4_1", "F32"}
+
+
+@pytest.mark.parametrize("content", ["n_layer: [1, 2\nname: x:\n  - :", "- 1\n- 2\n", "", "n_layers_typo: 3\n",
+                                     "name: !!python/object/apply:os.system ['touch {marker}']\n", "n_layer: 2\x00\n"],
+                         ids=["syntax", "list", "empty", "unknown field", "python tag", "nul byte"])
+def test_a_broken_model_config_is_one_line_naming_the_file(run_cli, tmp_path, tiny_config, write_litgpt_dir, content):
+    """A model_config.yaml that litgpt's Config.from_file cannot read showed yaml's or Config's traceback."""
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    marker = tmp_path / "ran"
+    (directory / "model_config.yaml").write_text(content.format(marker=marker))
+    args = ["inspect", directory] if content else ["inspect", directory / "lit_model.pth", "--config",
+                                                  directory / "model_config.yaml"]  # the flag, once
+    proc = run_cli(*args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(
+        f"error: CheckpointFormatError: {directory / 'model_config.yaml'} is not a litgpt config ("), proc.stderr
+    assert "It must be a YAML mapping of litgpt Config's fields" in proc.stderr
+    assert not marker.exists()
+
+
+class _View:
+    """A tensor viewed with a negative stride: in the pickle's arguments, or set after it is built (a BUILD)."""
+
+    def __init__(self, build: bool) -> None:
+        self.build = build
+
+    def __reduce__(self):
+        storage = torch.arange(8.0)._typed_storage()
+        if self.build:
+            return (torch._utils._rebuild_tensor_v2, (storage, 0, (4,), (1,), False, collections.OrderedDict()),
+                    {"stride": (-1,)})
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, (4,), (-1,), False, collections.OrderedDict()))
+
+
+@pytest.mark.parametrize("build", [False, True], ids=["arguments", "build state"])
+def test_a_negative_stride_pth_is_exit_1_with_one_line(run_cli, tmp_path, tiny_config, write_litgpt_dir, build):
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    state = torch.load(directory / "lit_model.pth")
+    torch.save({**state, "transformer.ln_f.bias": _View(build)}, directory / "lit_model.pth")
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "'transformer.ln_f.bias'" in proc.stderr
+    assert proc.stderr.startswith("error: UnsafeCheckpointError: " if build else "error: CheckpointFormatError: ")
+
+
+def test_a_config_with_far_more_layers_than_the_file_fails_before_building_a_model(run_cli, tmp_path, tiny_config,
+                                                                                  write_litgpt_dir):
+    """n_layer: 100000000 beside a 1-layer checkpoint built a model on meta from the config first: minutes and
+    past 1.9 GiB. The counts are checked against the file's tensors before."""
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_layer=1), tokenizer=False)
+    config = yaml.safe_load((directory / "model_config.yaml").read_text())
+    (directory / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 100_000_000}))
+    proc = run_cli("inspect", directory, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert ("error: CheckpointMismatchError: The litgpt config says n_layer: 100000000, but the checkpoint's tensors "
+            "hold 1 block (transformer.h.0)") in proc.stderr
