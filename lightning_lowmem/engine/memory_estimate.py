@@ -15,8 +15,8 @@
                    (``QuantScheme.library_bytes``)
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
                    the stream takes for it (``engine/routes.py``: the tensor as read when it is cast;
-                   a block of rows as read, cast and quantized + the freed heap a trim leaves (no more
-                   than one block's: the next block reuses it); a combined tensor's parts; one part of
+                   a block of rows as read, cast and quantized + the freed heap a trim leaves (up to
+                   ``TRIM_AT``, 32 MiB: earlier weights' temporaries); a combined tensor's parts; one part of
                    a stacked one; a weight stored quantized, loaded as it is, nothing on CPU; a GGUF
                    tensor's dequantization workspace, and, kept unquantized and cast or rewritten, one
                    block of its rows as read (twice when the transform rewrites it), never the tensor

@@ -20,6 +20,7 @@ time); Fabric only sets the loaded module up for its precision. Caches are sized
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ class LitgptCheckpoint:
             _check_fits(config, weights)
         return cls(directory, weights, config, _tokenizer(directory) if tokenizer else None, why=why,
                    config_source=origin)
+
+    def with_config(self, config: Any) -> LitgptCheckpoint:
+        """The same weights with another litgpt config, checked against their headers first.
+
+        Raises:
+            CheckpointMismatchError: the config's counts or widths do not fit the weights.
+        """
+        _check_fits(config, self.weights)
+        return dataclasses.replace(self, config=config, config_source="given")
 
     @property
     def chosen(self) -> Chosen:

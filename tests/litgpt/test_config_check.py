@@ -79,12 +79,12 @@ def test_names_of_no_known_layout_still_bound_the_layers_by_the_tensors(tiny_con
 
 def test_the_load_checks_the_config_before_building_the_model(tmp_path, tiny_config, write_litgpt_dir, monkeypatch):
     import lightning_lowmem.litgpt.checkpoint_dir as checkpoint_dir
-    from lightning_lowmem.engine import LoadOptions
-
     directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_layer=1), tokenizer=False)
     built = []
     monkeypatch.setattr(checkpoint_dir, "build_meta_gpt", lambda config: built.append(config))
-    found = checkpoint_dir.LitgptCheckpoint.find(directory, config=tiny_config(n_layer=100_000_000))
     with pytest.raises(CheckpointMismatchError, match="n_layer: 100000000"):
-        checkpoint_dir.load_litgpt(found, LoadOptions())
+        checkpoint_dir.LitgptCheckpoint.find(directory, config=tiny_config(n_layer=100_000_000))
+    found = checkpoint_dir.LitgptCheckpoint.find(directory)  # a config given later is checked as well
+    with pytest.raises(CheckpointMismatchError, match="n_layer: 100000000"):
+        found.with_config(tiny_config(n_layer=100_000_000))
     assert not built
