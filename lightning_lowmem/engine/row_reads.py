@@ -73,15 +73,15 @@ class RowBuffer:
     """
 
     def __init__(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8)
+        self._bytes = torch.empty(0, dtype=torch.uint8, device="cpu")
         self.unsettled = 0
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` over the start of the buffer (its previous contents are dead)."""
         nbytes = math.prod(shape) * dtype.itemsize
         if self._bytes.numel() < nbytes:
-            self._bytes = torch.empty(0, dtype=torch.uint8)  # the old one freed first
-            self._bytes = torch.empty(nbytes, dtype=torch.uint8)
+            self._bytes = torch.empty(0, dtype=torch.uint8, device="cpu")  # the old one freed first
+            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         self.unsettled += nbytes
         return self._bytes[:nbytes].view(dtype).view(shape)
 

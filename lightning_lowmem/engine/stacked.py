@@ -93,16 +93,16 @@ class StackedRows(Route):
         total = target.record.numel // max(math.prod(tail), 1)
         dtypes = {p.dtype for p in target.parts}
         read_dtype = dtypes.pop() if len(dtypes) == 1 else target.dtype
-        buffer = torch.empty(0, dtype=read_dtype)
+        buffer = torch.empty(0, dtype=read_dtype, device="cpu")
 
         def rows(start: int, stop: int) -> torch.Tensor:
             nonlocal buffer
             n = (stop - start) * math.prod(tail)
             if start == 0 and stop == total:  # the whole weight: its own memory, nothing shared
-                block = torch.empty((stop - start, *tail), dtype=read_dtype)
+                block = torch.empty((stop - start, *tail), dtype=read_dtype, device="cpu")
             else:
                 if buffer.numel() < n:
-                    buffer = torch.empty(n, dtype=read_dtype)
+                    buffer = torch.empty(n, dtype=read_dtype, device="cpu")
                 block = buffer[:n].view(stop - start, *tail)
             lengths = [p.shape[0] for p in target.parts]
             for i, lo, hi, at in target.stack.pieces(lengths, start, stop):
