@@ -68,11 +68,13 @@ def estimate_memory(
         batch_size: sequences generated at once (default 1).
         max_seq_length: positions to hold: prompt + max_new_tokens; default: the model's block size.
         prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length``.
-        config: a litgpt ``Config`` for a checkpoint without ``model_config.yaml``.
+        config: the litgpt config of a checkpoint without ``model_config.yaml``: a litgpt model name
+            (``"pythia-1b"``), a ``Config``, or the path of a ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
+        TypeError: ``config`` is not a model name, a ``Config`` or a path.
 
     Example::
 
