@@ -39,6 +39,7 @@ from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import init_empty
+from lightning_lowmem.quiet import quietly
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -66,6 +67,7 @@ class LitgptCheckpoint:
     config_source: str = ""
 
     @classmethod
+    @quietly
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
              require_config: bool = True, tokenizer: bool = True) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
@@ -214,7 +216,7 @@ def find_config(directory: Path) -> tuple[Any, str]:
     tried = f"no model_config.yaml in {str(directory)!r}, and its name {directory.name!r} is no litgpt model name"
     if not (directory / "config.json").is_file():
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}, and there is no config.json. Pass "
-                         "config=litgpt.Config.from_name('<model name>') (--config NAME), or name the directory after "
+                         "config=NAME, a litgpt model name such as 'pythia-1b' (--config NAME), or name the directory after "
                          "the model (e.g. checkpoints/EleutherAI/pythia-1b).")
     try:
         return config_from_hf_json(directory / "config.json")

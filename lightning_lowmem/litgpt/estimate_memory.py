@@ -97,7 +97,7 @@ def estimate_memory(
             raise ValueError(f"max_seq_length={length} is past the model's block size ({model.config.block_size}); "
                              f"ask for prompt + max_new_tokens <= {model.config.block_size}.")
         if options.budgets is not None and not is_litgpt:
-            raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
+            raise ValueError("max_memory= needs a litgpt config to group layers into a placement: pass config=.")
         options = LoadOptions.merge(options, context=length or None)
         prepared = prepare_load(model, source, options, check_keys=False)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
