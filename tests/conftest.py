@@ -460,6 +460,31 @@ def write_hf_dir(tiny_config):
     return write
 
 
+NOT_CAUSAL = {
+    "bert": ("BertModel", "BertConfig", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, max_position_embeddings=64)),
+    "t5": ("T5ForConditionalGeneration", "T5Config", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
+}
+"""Tiny transformers models litgpt does not convert: (class, config class, config kwargs); 128-token vocabularies."""
+
+
+@pytest.fixture(scope="session")
+def write_transformers_dir():
+    """``write_transformers_dir(directory, kind, max_shard_size=None)``: a tiny ``kind`` model (bert: a sentence-
+    transformers-style ``BertModel``; t5: ``T5ForConditionalGeneration``, its embeddings tied) as ``save_pretrained``
+    writes it, no litgpt config; returns the transformers model."""
+    def write(directory: Path, kind: str, max_shard_size: str | None = None) -> nn.Module:
+        import transformers
+
+        cls, config_cls, kwargs = NOT_CAUSAL[kind]
+        torch.manual_seed(0)
+        model = getattr(transformers, cls)(getattr(transformers, config_cls)(vocab_size=128, **kwargs)).eval()
+        model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        return model
+
+    return write
+
+
 @pytest.fixture(scope="session")
 def pythia_14m_hf_dir(tmp_path_factory):
     """A GPT-NeoX of pythia-14m's shapes (random weights from N(0, 0.3)) saved by transformers' ``save_pretrained``

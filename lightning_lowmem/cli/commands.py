@@ -6,9 +6,18 @@ import argparse
 import sys
 
 from lightning_lowmem.cli import chat, estimate, generate, inspect_checkpoint, quantize
-from lightning_lowmem.cli.exits import EXIT_ARGUMENT, EXIT_CHECKPOINT, EXIT_CODES, exit_code, print_error
+from lightning_lowmem.cli.exits import (
+    EXIT_ARGUMENT,
+    EXIT_CHECKPOINT,
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    exit_code,
+    print_error,
+    print_interrupted,
+)
 from lightning_lowmem.cli.options import resolve_checkpoint
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.quiet import quiet
 
 SUBCOMMANDS = (estimate, generate, chat, inspect_checkpoint, quantize)
 
@@ -38,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``lightning-lowmem`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code.
+    """Run ``lightning-lowmem`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code. Ctrl-C is one line
+    on stderr and exit code 130, never a traceback.
 
     Example::
 
@@ -48,6 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         ...
         0
     """
+    try:
+        with quiet():  # third-party import noise (lightning_lowmem/quiet.py)
+            return _main(argv)
+    except KeyboardInterrupt:
+        print_interrupted()
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -71,8 +90,21 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code(e)
         if code is None:
             raise
-        print_error(e)
+        print_error(e, flags_of(args.parser))
         return code
+
+
+def flags_of(parser: argparse.ArgumentParser) -> dict[str, tuple[str, str]]:
+    """The Python keyword each of a subcommand's flags stands for -> ``(flag, metavar)``: ``max_memory`` ->
+    ``("--max_memory", "DEVICE=SIZE,...")``; the API's ``prefer=`` is ``--weights``."""
+    flags = {}
+    for action in parser._actions:  # argparse keeps no public list of a parser's arguments
+        long = [option for option in action.option_strings if option.startswith("--")]
+        if long and action.dest not in ("help", "checkpoint_flag"):
+            flags[action.dest] = (long[0], action.metavar or action.dest.upper())
+    if "weights" in flags:
+        flags["prefer"] = flags["weights"]
+    return flags
 
 
 def _version() -> str:

@@ -7,17 +7,25 @@
   this library did not write: ``SaveError``) (any other ``LowMemError``).
 * 2: a bad argument: a flag argparse refuses, an unknown quantization scheme, a prompt the
   checkpoint cannot take, no litgpt config found (``ValueError`` / ``TypeError``).
+* 130: interrupted (Ctrl-C, ``KeyboardInterrupt``): one line, no traceback. A load leaves nothing behind; a
+  ``--out`` directory is switched in whole or not at all, so it holds the old copy or the new one.
+
+A message raised by the library speaks in Python keywords (``max_memory=``); the command line tells it in its own
+flags (``--max_memory``), :func:`in_flags`.
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Mapping
 
 from lightning_lowmem.errors import LowMemError, UnsupportedQuantizationError
 
 EXIT_OK = 0
 EXIT_CHECKPOINT = 1
 EXIT_ARGUMENT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
 EXIT_CODES = """exit codes:
   0  done
@@ -25,7 +33,8 @@ EXIT_CODES = """exit codes:
      a memory budget or a device error, or --out cannot be written (not writable, too little free space,
      weight files it did not write)
   2  a bad argument (a flag, a quantization scheme, a prompt the checkpoint cannot take, or no litgpt config
-     found: pass --config)"""
+     found: pass --config)
+  130 interrupted (Ctrl-C): nothing half-written is left behind"""
 
 
 def exit_code(error: BaseException) -> int | None:
@@ -46,6 +55,44 @@ def exit_code(error: BaseException) -> int | None:
     return None
 
 
-def print_error(error: BaseException) -> None:
-    """``error: <type>: <message>`` on stderr."""
-    print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+def in_flags(message: str, flags: Mapping[str, tuple[str, str]]) -> str:
+    """``message`` with each Python keyword that stands for a flag spelled as the flag: ``flags`` maps a keyword to
+    its flag and the flag's metavar (``{"max_memory": ("--max_memory", "DEVICE=SIZE,...")}``). ``kw='a'`` becomes
+    ``--flag a``, ``kw=...`` ``--flag METAVAR``, a bare ``kw=`` ``--flag``; a flag the message then names twice in a
+    row (``--config NAME (--config NAME)``) is named once.
+
+    Example::
+
+        >>> flags = {"max_seq_length": ("--max_seq_length", "N"), "config": ("--config", "NAME"),
+        ...          "prefer": ("--weights", "NAME")}
+        >>> in_flags("max_seq_length=300 is past; pass config=... (or --config NAME)", flags)
+        '--max_seq_length 300 is past; pass --config NAME'
+        >>> in_flags("prefer='model.safetensors' (--weights) names none", flags)
+        '--weights model.safetensors names none'
+    """
+    if not flags:
+        return message
+    keyword = re.compile(r"(?<![\w.\-])(" + "|".join(map(re.escape, sorted(flags, key=len, reverse=True)))
+                         + r")=(\.\.\.|'[^'\s]*'|\"[^\"\s]*\"|[\w/~](?:[\w:.\-/]*[\w/])?)?")
+
+    def spelled(match: re.Match) -> str:
+        flag, metavar = flags[match.group(1)]
+        value = match.group(2)
+        if value is None:
+            return flag
+        return f"{flag} {metavar if value == '...' else value.strip(chr(39) + chr(34))}"
+
+    message = keyword.sub(spelled, message)
+    # "--config NAME (or --config NAME)", "--weights x (--weights)": the flag once
+    message = re.sub(r"(--(\w+)\b[^()]*?) \((?:or |command line: )?--\2\b[^()]*\)", r"\1", message)
+    return re.sub(r"(--(\w+) [^\s()]+) or --\2(?: [^\s()]+)?(?=[\s).,;]|$)", r"\1", message)
+
+
+def print_error(error: BaseException, flags: Mapping[str, tuple[str, str]] | None = None) -> None:
+    """``error: <type>: <message>`` on stderr, Python keywords that are ``flags`` spelled as flags (:func:`in_flags`)."""
+    print(f"error: {type(error).__name__}: {in_flags(str(error), flags or {})}", file=sys.stderr)
+
+
+def print_interrupted() -> None:
+    """The one line a Ctrl-C leaves on stderr."""
+    print("interrupted (Ctrl-C): stopped; nothing half-written was left behind", file=sys.stderr)

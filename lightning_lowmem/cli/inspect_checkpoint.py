@@ -45,10 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 @dataclass
 class Fit:
-    """Whether a checkpoint fits a litgpt config, as the load's plan says."""
+    """Whether a checkpoint fits a model's config (litgpt's, else its transformers ``config.json``), as the load's
+    plan says."""
 
     name: str
     source: str
+    family: str = "litgpt"
     conversion: str = ""
     matches: bool = False
     tensors: int = 0
@@ -77,17 +79,21 @@ def run(args: argparse.Namespace) -> int:
     """Inspect, print; exit 1 when the checkpoint does not fit its config."""
     from lightning_lowmem.engine import LoadOptions, resolved
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
+    from lightning_lowmem.placement import build_meta_model
 
     path = Path(args.checkpoint).expanduser()
     found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False,
                                   tokenizer=False)
+    family, name, origin = "litgpt", getattr(found.config, "name", ""), found.config_source
     model = build_meta_gpt(found.config) if found.config is not None else None
+    if model is None and (built := build_meta_model(found.directory)) is not None:  # BERT, T5: not litgpt models
+        (model, name), family, origin = built, "transformers", "config.json"
     with resolved(found.chosen, model, LoadOptions()) as source:
         summary = summarize(path, source)
         if model is None:
             summary.config_note = f"{found.config_source} (pass --config NAME to check the fit)"
         else:
-            summary.config = fit(model, source, found.config.name, found.config_source)
+            summary.config = fit(model, source, name, origin, family)
     print(json.dumps(asdict(summary), indent=2) if args.json else render(summary))
     if summary.config is not None and not summary.config.matches:
         print(f"error: {summary.config.error_type}: {summary.config.error}", file=sys.stderr)
@@ -117,12 +123,14 @@ def summarize(path: Path, source: Source) -> Summary:
                    chosen=source.why, stored=stored)
 
 
-def fit(model: Any, source: Source, name: str, config_source: str) -> Fit:
-    """The load's plan of ``source`` into the meta-built ``model``; its error, if any, as a ``Fit``."""
+def fit(model: Any, source: Source, name: str, config_source: str, family: str = "litgpt") -> Fit:
+    """The load's plan of ``source`` into the meta-built ``model`` (of ``family``: litgpt or transformers); its error,
+    if any, as a ``Fit``."""
     from lightning_lowmem.engine import LoadOptions, prepare_load
 
-    conversion = source.conversion.name if source.conversion is not None else "none: litgpt's own names"
-    result = Fit(name=name, source=config_source, conversion=conversion)
+    own = {"litgpt": "litgpt's", "transformers": "transformers'"}.get(family, family)
+    conversion = source.conversion.name if source.conversion is not None else f"none: {own} own names"
+    result = Fit(name=name, source=config_source, conversion=conversion, family=family)
     try:
         prepared = prepare_load(model, source, LoadOptions())
     except LowMemError as e:
@@ -146,12 +154,12 @@ def render(summary: Summary) -> str:
     if found is None:
         lines.append(f"config      none found: {summary.config_note}")
     elif found.matches:
-        lines.append(f"config      litgpt {found.name!r} (from {found.source}): matches, {found.tensors} tensors "
-                     "planned, none missing or unexpected")
+        lines.append(f"config      {found.family} {found.name!r} (from {found.source}): matches, {found.tensors} "
+                     "tensors planned, none missing or unexpected")
         lines.append(f"names       {found.conversion}")
     else:
-        lines.append(f"config      litgpt {found.name!r} (from {found.source}): does not match ({found.error_type}, "
-                     "on stderr)")
+        lines.append(f"config      {found.family} {found.name!r} (from {found.source}): does not match "
+                     f"({found.error_type}, on stderr)")
     return "\n".join(lines)
 
 

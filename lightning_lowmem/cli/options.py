@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.quantize import SCHEMES
 
 def add_subcommand(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
@@ -128,25 +126,16 @@ def max_memory(text: str) -> dict[str, str]:
 
 
 def config_argument(value: str | None) -> Any | None:
-    """The litgpt ``Config`` that ``--config`` names: a ``model_config.yaml`` path or a litgpt model name.
+    """The litgpt ``Config`` that ``--config`` names: a ``model_config.yaml`` path or a litgpt model name, read as
+    the Python API reads ``config=`` (:func:`~lightning_lowmem.litgpt.checkpoint_dir.config_of`).
 
     Raises:
         ValueError: neither an existing file nor a litgpt model name.
         CheckpointFormatError: the file is not a litgpt config.
     """
-    if value is None:
-        return None
-    Config = import_litgpt(needed_by="lightning-lowmem --config").Config
+    from lightning_lowmem.litgpt.checkpoint_dir import config_of
 
-    from lightning_lowmem.litgpt.checkpoint_dir import config_from_file
-
-    if Path(value).expanduser().is_file():
-        return config_from_file(Path(value).expanduser())
-    try:
-        return Config.from_name(value)
-    except ValueError as e:
-        raise ValueError(f"--config {value!r} is neither a model_config.yaml file nor a litgpt model name. Pass a "
-                         "name such as pythia-1b or Llama-3.2-1B, or the path of a model_config.yaml.") from e
+    return config_of(value)
 
 
 def default_device(value: str | None) -> str:

@@ -41,6 +41,7 @@ from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
 from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
 from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
+from lightning_lowmem.quiet import quietly
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def load_checkpoint(
     return run_load(module, checkpoint, options)
 
 
+@quietly
 def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, options: LoadOptions, *,
              on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
     """The whole load under one memory monitor: open once, prepare from the headers, stream.
@@ -137,6 +139,7 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
     return _finish_report(report, monitor)
 
 
+@quietly
 def load_prepared(prepared: PreparedLoad, monitor: MemoryMonitor | None = None) -> LoadReport:
     """Stream a load :func:`prepare_load` decided from a resolved checkpoint's headers, and finish the module.
 

@@ -30,6 +30,7 @@ from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_key_map, gues
 from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.quantize import Selection, select_linears
 from lightning_lowmem.quantize.stored import mark_stored
+from lightning_lowmem.quiet import quietly
 
 
 @dataclass
@@ -67,6 +68,7 @@ class PreparedLoad:
         return self.source.transform
 
 
+@quietly
 def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, check_keys: bool = True,
                  kv_cache_bytes: int | None = None, activation_bytes: int | None = None) -> PreparedLoad:
     """Plan the load of ``source`` into ``module`` under ``options``; reads no weight.

@@ -35,6 +35,7 @@ from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.plan.conversions import Conversion, Transform, find_conversion
 from lightning_lowmem.quantize.stored import StoredWeights, find_stored
+from lightning_lowmem.quiet import quietly
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ def opened(checkpoint: str | Path | Checkpoint, module: nn.Module | None = None,
         yield choose_set(Path(checkpoint).expanduser(), module, prefer, stack).checkpoint
 
 
+@quietly
 def source_of(ckpt: Checkpoint, module: nn.Module | None, options: LoadOptions, why: str = "") -> Source:
     """The :class:`Source` of an open checkpoint for ``module``: its stored weights and its conversion."""
     stored = find_stored(ckpt.records, ckpt.metadata, ckpt.read, requested=options.scheme, files=ckpt.description)

@@ -39,6 +39,7 @@ from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import init_empty
+from lightning_lowmem.quiet import quietly
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
@@ -66,6 +67,7 @@ class LitgptCheckpoint:
     config_source: str = ""
 
     @classmethod
+    @quietly
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
              require_config: bool = True, tokenizer: bool = True) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
@@ -78,6 +80,7 @@ class LitgptCheckpoint:
             AmbiguousCheckpointError: a directory holds several different weight sets and ``prefer`` picks none.
             ValueError: no config given, and none found (see :func:`find_config`), with ``require_config``.
         """
+        config = config_of(config)
         path = Path(path).expanduser()
         directory = path if path.is_dir() else path.parent
         if not path.exists():
@@ -99,6 +102,7 @@ class LitgptCheckpoint:
         Raises:
             CheckpointMismatchError: the config's counts or widths do not fit the weights.
         """
+        config = config_of(config)
         _check_fits(config, self.weights)
         return dataclasses.replace(self, config=config, config_source="given")
 
@@ -212,12 +216,45 @@ def find_config(directory: Path) -> tuple[Any, str]:
     tried = f"no model_config.yaml in {str(directory)!r}, and its name {directory.name!r} is no litgpt model name"
     if not (directory / "config.json").is_file():
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}, and there is no config.json. Pass "
-                         "config=litgpt.Config.from_name('<model name>') (--config NAME), or name the directory after "
+                         "config=NAME, a litgpt model name such as 'pythia-1b' (--config NAME), or name the directory after "
                          "the model (e.g. checkpoints/EleutherAI/pythia-1b).")
     try:
         return config_from_hf_json(directory / "config.json")
     except ValueError as e:
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}. {e}") from e
+
+
+def config_of(value: Any) -> Any | None:
+    """The litgpt ``Config`` that ``value`` stands for: a ``Config`` itself, a litgpt model name (``"pythia-1b"``),
+    or the path of a ``model_config.yaml``; None stays None. The command line's ``--config`` reads the same.
+
+    Raises:
+        TypeError: ``value`` is none of these types.
+        ValueError: a string that is neither an existing file nor a litgpt model name.
+        CheckpointFormatError: the file is not a litgpt config (:func:`config_from_file`).
+
+    Example::
+
+        >>> config_of("pythia-14m").n_layer, config_of(None)
+        (6, None)
+    """
+    if value is None:
+        return None
+    Config = import_litgpt(needed_by="Reading a litgpt config").Config
+
+    if isinstance(value, Config):
+        return value
+    if not isinstance(value, (str, Path)):
+        raise TypeError(f"config={value!r} ({type(value).__name__}) is not a litgpt config. Pass a litgpt model name "
+                        "(config='pythia-1b'), a litgpt.Config (litgpt.Config.from_name('pythia-1b')), or the path "
+                        "of a model_config.yaml.")
+    if Path(value).expanduser().is_file():
+        return config_from_file(Path(value).expanduser())
+    try:
+        return Config.from_name(str(value))
+    except ValueError as e:
+        raise ValueError(f"config={str(value)!r} is neither a model_config.yaml file nor a litgpt model name. Pass a "
+                         "name such as 'pythia-1b' or 'Llama-3.2-1B', or the path of a model_config.yaml.") from e
 
 
 def config_from_file(path: Path) -> Any:

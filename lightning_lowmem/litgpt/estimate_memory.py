@@ -32,7 +32,7 @@ from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
-from lightning_lowmem.placement import MaxMemory
+from lightning_lowmem.placement import MaxMemory, build_meta_model
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
 
@@ -68,11 +68,13 @@ def estimate_memory(
         batch_size: sequences generated at once (default 1).
         max_seq_length: positions to hold: prompt + max_new_tokens; default: the model's block size.
         prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length``.
-        config: a litgpt ``Config`` for a checkpoint without ``model_config.yaml``.
+        config: the litgpt config of a checkpoint without ``model_config.yaml``: a litgpt model name
+            (``"pythia-1b"``), a ``Config``, or the path of a ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
+        TypeError: ``config`` is not a model name, a ``Config`` or a path.
 
     Example::
 
@@ -89,13 +91,13 @@ def estimate_memory(
                                 max_memory=max_memory, batch_size=batch_size, strict=False)
     with contextlib.ExitStack() as stack:
         model, source, name, tokenizer = _model_and_source(source, config, options, stack)
-        is_litgpt = hasattr(model, "config")
+        is_litgpt = _is_config(getattr(model, "config", None))
         length = max_seq_length or (model.config.block_size if is_litgpt else 0)
         if is_litgpt and length > model.config.block_size:
             raise ValueError(f"max_seq_length={length} is past the model's block size ({model.config.block_size}); "
                              f"ask for prompt + max_new_tokens <= {model.config.block_size}.")
         if options.budgets is not None and not is_litgpt:
-            raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
+            raise ValueError("max_memory= needs a litgpt config to group layers into a placement: pass config=.")
         options = LoadOptions.merge(options, context=length or None)
         prepared = prepare_load(model, source, options, check_keys=False)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
@@ -103,8 +105,9 @@ def estimate_memory(
                             with_caches=is_litgpt)
     est.tokenizer = tokenizer
     if not is_litgpt:
-        est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated; "
-                         "Linear layers guessed from key names and shapes")
+        built = f"the {name} its config.json describes (transformers), built on meta" if hasattr(model, "config") \
+            else "Linear layers guessed from key names and shapes"
+        est.notes.append(f"no litgpt config: KV cache, mask, RoPE and activations not estimated; {built}")
     return est
 
 
@@ -128,10 +131,21 @@ def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
         from lightning_lowmem.litgpt.gguf_tokenizer import tokenizer_nbytes
 
         tokenizer = tokenizer_nbytes(resolved_source.checkpoint.gguf.layout.arrays, found.gguf.hf_config.model_type)
-    if model is None:  # no model to build: a stand-in of the checkpoint's own tensors
-        model = stand_in_module(resolved_source.stored.logical_records(resolved_source.records))
-        return model, resolved_source, str(source), tokenizer
+    if model is None:  # no litgpt model: the one its family's config describes (transformers'), else a stand-in
+        return _other_model(found, resolved_source, str(source), options, stack) + (tokenizer,)
     return model, resolved_source, found.config.name, tokenizer
+
+
+def _other_model(found: LitgptCheckpoint, source: Source, name: str, options: LoadOptions,
+                 stack: contextlib.ExitStack) -> tuple[nn.Module, Source, str]:
+    """The model of a checkpoint with no litgpt config: the one its family's config describes (a transformers
+    ``config.json``: :func:`~lightning_lowmem.placement.build_meta_model`), the source resolved for it again (its
+    conversion is that model's); else a stand-in of the checkpoint's own tensors."""
+    built = build_meta_model(found.directory)
+    if built is None:
+        return stand_in_module(source.stored.logical_records(source.records)), source, name
+    model, name = built
+    return model, stack.enter_context(resolved(found.chosen, model, options)), name
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

@@ -181,7 +181,8 @@ def generate(
         precision: ``'bf16-true'`` (default), ``'16-true'`` or ``'32-true'``: the dtype of the load.
         num_samples: samples generated one after another, reusing the caches.
         device: where the model runs; default CPU.
-        config: a litgpt ``Config`` overriding the directory's.
+        config: a litgpt config overriding the directory's: a litgpt model name (``"pythia-1b"``), a ``Config``,
+            or the path of a ``model_config.yaml`` (``TypeError`` for anything else).
         tokenizer: a litgpt ``Tokenizer`` for a model passed in directly.
         seed: seeds torch before sampling (litgpt's CLI uses 1234); None leaves the RNG alone.
 

@@ -107,7 +107,7 @@ def litgpt_config(hf_config: Any, names: list[str] | tuple[str, ...] = ()) -> An
             raise ValueError(
                 f"lightning_lowmem builds litgpt configs from GGUF files of {sorted(_FAMILIES)} models; this one is "
                 f"{getattr(hf_config, 'model_type', '?')!r} (names in the file: {names or 'none'}). Pass "
-                "config=litgpt.Config.from_name('<litgpt model name>') (--config NAME).")
+                "config=NAME, its litgpt model name such as 'Llama-3.2-1B' (--config NAME).")
         return named
     named = recognised_config(built, names)
     if named is not None:

@@ -12,6 +12,7 @@ from lightning_lowmem.placement.architectures import (
     Architecture,
     CacheBytes,
     architecture_of,
+    build_meta_model,
     register_architecture,
 )
 from lightning_lowmem.placement.budgets import Budgets, MaxMemory, parse_max_memory
@@ -38,6 +39,7 @@ __all__ = [
     "Offload",
     "PlacementPlan",
     "architecture_of",
+    "build_meta_model",
     "dispatch",
     "enable_offload",
     "find_blocks",

@@ -116,6 +116,11 @@ class Architecture:
         for a generic module."""
         return []
 
+    def build_meta(self, directory: Path) -> tuple[nn.Module, str] | None:
+        """The model the files in ``directory`` describe (its family's config beside the weights), built on meta,
+        and a name for it; None when the family finds no config of its own there (a generic module: never)."""
+        return None
+
 
 def _width(module: nn.Module) -> int:
     """Output features of every ``nn.Linear`` and ``nn.Embedding`` under ``module``."""
@@ -142,3 +147,9 @@ def register_architecture(architecture: Architecture) -> Architecture:
 def architecture_of(module: nn.Module) -> Architecture:
     """The registered architecture that matches ``module``, else :data:`GENERIC`."""
     return next((a for a in _REGISTERED if a.matches(module)), GENERIC)
+
+
+def build_meta_model(directory: Path) -> tuple[nn.Module, str] | None:
+    """The model a checkpoint directory describes, built on meta by the first registered family that finds its
+    config there (transformers: ``config.json``), and its name; None when none does."""
+    return next(filter(None, (a.build_meta(directory) for a in _REGISTERED)), None)

@@ -68,6 +68,13 @@ class TransformersArchitecture(Architecture):
         config.save_pretrained(directory)
         return [directory / "config.json"]
 
+    def build_meta(self, directory: Path) -> tuple[nn.Module, str] | None:
+        """The transformers model ``directory/config.json`` describes, built on meta by transformers' own classes
+        (:func:`~lightning_lowmem.transformers.auto_model.meta_model`); None without a ``config.json``."""
+        from lightning_lowmem.transformers.auto_model import meta_model
+
+        return meta_model(directory)
+
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost ``PreTrainedModel`` s in ``module`` (a composite model initialises its sub-models)."""

@@ -55,3 +55,79 @@ def test_importing_the_command_line_imports_neither_litgpt_nor_lightning(child_e
             "print(sorted(m for m in ('litgpt', 'lightning', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_errors_speak_in_flags_not_python_keywords(run_cli, tmp_path, tiny_config, write_litgpt_dir):
+    past = run_cli("estimate", "pythia-14m", "--max_seq_length", "4096")
+    assert past.returncode == 2 and "--max_seq_length 4096 is past" in past.stderr
+    assert "max_seq_length=" not in past.stderr
+    name = run_cli("estimate", "pythia-14m", "--config", "pythia-14mm")
+    assert name.returncode == 2 and "--config pythia-14mm is neither a model_config.yaml" in name.stderr
+    assert "config=" not in name.stderr
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    pick = run_cli("inspect", directory, "--weights", "model.safetensors")
+    assert pick.returncode == 2 and "--weights model.safetensors names none of the weight sets" in pick.stderr
+    assert "prefer=" not in pick.stderr and "(--weights)" not in pick.stderr
+
+
+def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) -> subprocess.CompletedProcess:
+    """``command`` in a fresh process, sent SIGINT (Ctrl-C) once it has ``checkpoint`` open."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_lowmem", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    fds = Path(f"/proc/{proc.pid}/fd")
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if any(os.path.realpath(fd) == str(checkpoint) for fd in fds.iterdir()):
+                    break
+            except (FileNotFoundError, PermissionError):  # an fd closed while listed
+                pass
+            time.sleep(0.005)
+        assert proc.poll() is None, "the command ended before it opened the checkpoint"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to see when the checkpoint is open")
+def test_ctrl_c_during_a_load_is_one_line_and_exit_130(peak_model_dir, child_env, tmp_path):
+    """A real SIGINT while the weights are read: no traceback, one line, 130; quantize leaves no --out behind."""
+    checkpoint = (peak_model_dir / "lit_model.pth").resolve()
+    for command in (["generate", peak_model_dir, "--prompt", "t1 t2", "--quantize", "bnb.nf4"],
+                    ["quantize", peak_model_dir, "--quantize", "bnb.nf4", "--out", tmp_path / "out"]):
+        proc = _interrupt_while_reading([str(c) for c in command], checkpoint, child_env)
+        assert proc.returncode == 130, proc.stderr
+        assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == "interrupted (Ctrl-C): stopped; nothing half-written was " \
+                                                       "left behind"
+        assert proc.stderr.count("interrupted") == 1
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+NOISE = ("Failed to load", "_pytree", "register_constant", "No module named 'kernels'", "Detected no triton")
+
+
+@pytest.mark.slow
+def test_a_quantized_gguf_command_prints_no_third_party_noise(run_cli, child_env, gguf_chat_model):
+    """The lines torchao, torch and bitsandbytes log on import, present when those are imported plainly here, are
+    absent from the command's stderr, which holds only its own report."""
+    plain = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils, bitsandbytes"],
+                           capture_output=True, text=True, env=child_env)
+    heard = [n for n in NOISE if n in plain.stderr]
+    if not heard:
+        pytest.skip("these builds of torchao, torch and bitsandbytes log nothing on import here")
+    for scheme in ("bnb.nf4", "torchao.int8wo"):
+        proc = run_cli("generate", gguf_chat_model, "--prompt", "hi", "--max_new_tokens", "2", "--quantize", scheme)
+        assert proc.returncode == 0, proc.stderr
+        assert not [n for n in NOISE if n in proc.stderr], proc.stderr
+        assert proc.stderr.startswith("Loaded ") and "Memory: weights" in proc.stderr

@@ -27,7 +27,7 @@ def test_past_the_block_size_is_a_bad_argument(run_cli):
     """pythia-1b holds 2048 positions: 4096 is refused, by the command as by the library."""
     proc = run_cli("estimate", "pythia-1b", "--quantize", "bnb.nf4", "--max_seq_length", "4096", "--json")
     assert proc.returncode == 2 and proc.stdout == ""
-    assert "ValueError: max_seq_length=4096 is past the model's block size (2048)" in proc.stderr
+    assert "ValueError: --max_seq_length 4096 is past the model's block size (2048)" in proc.stderr
 
 
 def test_table_and_placement_of_a_checkpoint(run_cli, tmp_path, tiny_config, write_litgpt_dir):

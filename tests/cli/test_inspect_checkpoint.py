@@ -28,7 +28,7 @@ def test_a_good_checkpoint_matches_its_config(run_cli, tmp_path, tiny_config, wr
     assert got["tensors"] == len(state) and got["bytes"] == sum(t.nbytes for t in state.values())
     assert got["dtypes"] == {"bfloat16": {"tensors": len(state), "bytes": got["bytes"]}}
     assert got["format"] == "torch zip" and got["entry"] == ""
-    assert got["config"] == {"name": "pythia-tiny", "source": "model_config.yaml", "matches": True,
+    assert got["config"] == {"name": "pythia-tiny", "source": "model_config.yaml", "family": "litgpt", "matches": True,
                              "conversion": "none: litgpt's own names", "tensors": len(state), "error": None,
                              "error_type": None}
 
@@ -202,3 +202,34 @@ def test_a_config_with_far_more_layers_than_the_file_fails_before_building_a_mod
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert ("error: CheckpointMismatchError: The litgpt config says n_layer: 100000000, but the checkpoint's tensors "
             "hold 1 block (transformer.h.0)") in proc.stderr
+
+
+@pytest.mark.parametrize("kind, cls, shard", [("bert", "BertModel", "40KB"), ("t5", "T5ForConditionalGeneration", None)])
+def test_any_transformers_model_is_inspected_and_estimated_from_its_config_json(run_cli, tmp_path,
+                                                                              write_transformers_dir, kind, cls, shard):
+    """A model litgpt does not convert (BERT, sharded; T5, tied): built on meta from config.json by transformers'
+    classes, its fit told as for a litgpt model; estimate counts that model."""
+    directory = tmp_path / kind
+    write_transformers_dir(directory, kind, max_shard_size=shard)
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 0, proc.stderr
+    assert f"config      transformers '{cls}' (from config.json): matches" in proc.stdout
+    assert "litgpt" not in proc.stdout + proc.stderr
+    est = run_cli("estimate", directory, "--quantize", "bnb.nf4", "--json")
+    assert est.returncode == 0, est.stderr
+    got = json.loads(est.stdout)
+    assert got["model"] == cls and got["weights"] > 0 and "guessed" not in " ".join(got["notes"])
+
+
+def test_a_transformers_checkpoint_missing_a_tensor_does_not_match(run_cli, tmp_path, write_transformers_dir):
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "bert"
+    write_transformers_dir(directory, "bert")
+    state = load_file(directory / "model.safetensors")
+    del state["encoder.layer.1.output.dense.weight"]
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 1 and "config      transformers 'BertModel' (from config.json): does not match" \
+        in proc.stdout
+    assert "encoder.layer.1.output.dense.weight" in proc.stderr

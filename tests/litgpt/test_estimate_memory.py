@@ -208,3 +208,20 @@ def test_a_directory_of_two_weight_sets_is_estimated_from_the_one_generate_loads
         estimate_memory(directory, config=config, max_seq_length=16)
     picked = estimate_memory(directory, config=config, max_seq_length=16, options=LoadOptions(prefer="lit_model.pth"))
     assert {k: v for k, v in picked.to_dict().items() if k != "source"} == by_dir
+
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_a_transformers_model_is_estimated_as_its_load_holds_it(tmp_path, write_transformers_dir, kind):
+    """No litgpt config: the model config.json describes, built on meta, is what the estimate counts, and what a load
+    of it holds."""
+    from lightning_lowmem import init_empty, load_checkpoint
+    from lightning_lowmem.transformers.auto_model import meta_model
+
+    directory = tmp_path / kind
+    write_transformers_dir(directory, kind)
+    est = estimate_memory(directory, quantize="bnb.nf4")
+    model, name = meta_model(directory)
+    assert est.model == name and "built on meta" in est.notes[0]
+    persistent = set(model.state_dict())
+    report = load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4")
+    rebuilt = sum(b.nbytes for n, b in model.named_buffers() if n not in persistent)  # BERT's position_ids
+    assert est.weights == report.bytes_loaded - rebuilt

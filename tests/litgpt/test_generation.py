@@ -154,3 +154,23 @@ def test_a_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_
     with pytest.raises(ValueError, match="block size"):
         generate(directory, "1 2 3", max_new_tokens=62)
     assert read_recorder.keys == []
+
+
+def test_config_by_litgpt_name_as_the_cli_takes_it_or_a_type_error(pythia_14m_hf_dir):
+    """``config="pythia-14m"`` is read as ``--config pythia-14m`` is; anything but a name, a Config or a path is a
+    TypeError naming what to pass."""
+    from litgpt import Config
+
+    directory, _ = pythia_14m_hf_dir
+    by_name = generate(directory, [1, 2, 3], max_new_tokens=3, temperature=0.0, config="pythia-14m")
+    by_config = generate(directory, [1, 2, 3], max_new_tokens=3, temperature=0.0,
+                         config=Config.from_name("pythia-14m"))
+    assert torch.equal(by_name.tokens[0], by_config.tokens[0])
+    est = estimate_memory(directory, config="pythia-14m", max_seq_length=64)
+    assert est.model == "pythia-14m" and est.weights == estimate_memory("pythia-14m", max_seq_length=64).weights
+    with pytest.raises(TypeError, match=r"config=14 \(int\) is not a litgpt config. Pass a litgpt model name"):
+        generate(directory, [1, 2, 3], config=14)
+    with pytest.raises(TypeError, match=r"config=\{'name': 'pythia-14m'\} \(dict\)"):
+        estimate_memory(directory, config={"name": "pythia-14m"})
+    with pytest.raises(ValueError, match="config='pythia-14mm' is neither a model_config.yaml file nor a litgpt"):
+        estimate_memory(directory, config="pythia-14mm")

@@ -79,7 +79,7 @@ def test_quantized_again_on_load(tiny_gguf):
 def test_a_family_without_a_litgpt_config_asks_for_one(tmp_path, tiny_gguf):
     import transformers
 
-    with pytest.raises(ValueError, match=r"'gpt2'.*config=litgpt\.Config\.from_name"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*Pass config=NAME, its litgpt model name"):
         litgpt_config(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2))
     named = litgpt_config(transformers.GPT2Config(n_layer=1), ["pythia-14m"])  # a litgpt name in the file: its config
     assert named.name == "pythia-14m"
