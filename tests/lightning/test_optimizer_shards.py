@@ -109,3 +109,26 @@ def test_full_checkpoint_resumes_each_rank_reading_its_optimizer_shard(run_ranks
         bound = got["params"] + got["optimizer"] + largest + MARGIN
         assert got["peak"] <= bound, (result.rank, got["peak"] / MiB, bound / MiB)
         assert got["losses"] == expected, result.rank  # resumed, and after the next step: as the unsharded resume
+
+
+def test_positional_state_of_an_unsharded_model_is_read_whole(tmp_path):
+    """A plain optimizer's ``state_dict()`` (keyed by position) in a file's entries, read through unread handles."""
+    from lightning_lowmem import Checkpoint
+    from lightning_lowmem.lightning.optimizer_shards import load_optimizer_shards
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "plain.ckpt")
+    fresh = torch.optim.AdamW(model.parameters(), lr=1.0)
+    with Checkpoint.open(tmp_path / "plain.ckpt") as ckpt:
+        rest, _ = ckpt.other_entries(frozenset({"optimizer"}))
+        assert type(rest["optimizer"]["state"][0]["exp_avg"]).__name__ == "EntryTensor"
+        load_optimizer_shards(model, fresh, rest["optimizer"])
+    assert fresh.param_groups[0]["lr"] == 1e-2
+    for param in model.parameters():
+        assert all(torch.equal(fresh.state[param][k], optimizer.state[param][k]) for k in ("exp_avg", "exp_avg_sq"))
+    other = torch.optim.AdamW([{"params": [model[0].weight]}, {"params": [model[1].weight]}])
+    with pytest.raises(ValueError, match="1 parameter groups, the optimizer 2"):
+        load_optimizer_shards(model, other, optimizer.state_dict())
