@@ -278,33 +278,25 @@ def quantized_alone(target: Target) -> bool:
 
 
 @dataclass(frozen=True)
-class QuantizedShardRows(Route):
+class QuantizedShardRows(ShardRows):
     """This rank's rows of a weight quantized on their own (:meth:`Transform.quantize_own_rows`): read into fresh
     memory (or scratch, when cast), cast; the whole weight is never read on this rank."""
 
     kind: ClassVar[str] = "quantized shard rows"
 
     def read(self, reader: Reader) -> Payload:
-        target, rec = self.target, self.target.record
-        start, stop = target.own_rows
-        copied = target.dtype != rec.dtype or target.device.type != "cpu"
-        out = reader.scratch_view((stop - start, *rec.shape[1:]), rec.dtype) if copied else None
-        return reader.read(rec, start, stop, out=out)
-
-    @property
-    def rows_nbytes(self) -> int:
         rec, (start, stop) = self.target.record, self.target.own_rows
-        return rec.tensor_nbytes // max(rec.shape[0], 1) * (stop - start)
+        out = reader.scratch_view((stop - start, *rec.shape[1:]), rec.dtype) if self.copied else None
+        return reader.read(rec, start, stop, out=out)
 
     @property
     def transient(self) -> int:
         """Its rows as read and cast, quantizing them by blocks of rows (``by_rows_nbytes``), and the quantized
         shard, made before it is copied into place."""
         t = self.target
-        cast = t.cast_nbytes if t.dtype != t.record.dtype or t.device.type != "cpu" else 0
-        return self.rows_nbytes + cast + by_rows_nbytes(t) + t.final_nbytes + decode(t)
+        return self.rows_nbytes + (t.cast_nbytes if self.copied else 0) + by_rows_nbytes(t) + t.final_nbytes \
+            + decode(t)
 
     @property
-    def scratch_nbytes(self) -> int:
-        t = self.target
-        return self.rows_nbytes if t.dtype != t.record.dtype or t.device.type != "cpu" else 0
+    def final(self) -> bool:
+        return False
