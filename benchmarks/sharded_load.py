@@ -2,6 +2,9 @@
 
     python benchmarks/sharded_load.py                              # pythia-410m, then pythia-1b
     python benchmarks/sharded_load.py --models pythia-410m --methods lowmem_fsdp lowmem_fsdp-nf4
+    python benchmarks/sharded_load.py --models pythia-70m --methods lowmem_fsdp-nf4 mp-resume lowmem_fsdp-resume \
+        --world 4                                                  # a quick run
+    python benchmarks/sharded_load.py --arithmetic --models Llama-3.1-70B --world 64  # from the code, runs nothing
 
 Random bf16 weights with litgpt's architecture are written once (``benchmarks/common.py``, cached in
 --workdir) as ``bf16.safetensors`` and ``bf16.pth`` (a bare state dict, as litgpt's ``lit_model.pth``;
@@ -310,6 +313,45 @@ def _paths(model_name: str, workdir: Path, methods: list[str]) -> dict[str, Path
     return paths
 
 
+def arithmetic(model_name: str, world: int) -> str:
+    """Per-rank bytes of a ``world``-rank load of ``model_name`` in bf16, from the code rather than measured: each
+    tensor's rows as ``torch.chunk`` gives rank 0 (the largest piece), the Linears ``torchao.nf4`` quantizes under
+    ``world`` shards as ``quantize_for_sharding`` chooses them and their 4-bit sizes as the scheme states them, and
+    an AdamW's two moments (bf16, as a bf16-true run keeps them) the size of the parameter shard each."""
+    from litgpt import GPT, Config
+
+    from lightning_lowmem import LoadOptions, init_empty
+    from lightning_lowmem.engine import quantize_for_sharding
+    from lightning_lowmem.quantize import make_scheme
+
+    torch.set_default_dtype(torch.bfloat16)
+    with init_empty():
+        model = GPT(Config.from_name(model_name))
+    torch.set_default_dtype(torch.float32)
+    names = {n for n, _ in model.named_parameters()}
+    selection = quantize_for_sharding(model, LoadOptions(quantize="torchao.nf4"), count=world)
+    quantized = set(selection.chosen.values())
+    nf4 = make_scheme("torchao.nf4")
+    file = shard = nf4_shard = whole_reads = largest = 0
+    for name in names:
+        param = model.get_parameter(name)
+        shape = tuple(param.shape)
+        rows = -(-shape[0] // world)
+        own = rows * (param.numel() // shape[0]) * 2
+        file, shard, largest = file + param.numel() * 2, shard + own, max(largest, param.numel() * 2)
+        nf4_shard += nf4.stored_nbytes((shape[0] // world, *shape[1:])) if name in quantized else own
+        whole_reads += param.numel() * 2 if name in quantized else own
+    lines = [f"{model_name} at {world} ranks (arithmetic, rank 0): file {file / 2**30:.1f} GiB, "
+             f"{len(quantized)} Linears in torchao.nf4",
+             f"  bf16: reads {shard / MiB:.0f} MiB, holds {shard / MiB:.0f} MiB",
+             f"  nf4:  reads {shard / MiB:.0f} MiB (each weight whole: {whole_reads / 2**30:.1f} GiB), "
+             f"holds {nf4_shard / MiB:.0f} MiB",
+             f"  resume bf16 + AdamW: holds {3 * shard / MiB:.0f} MiB (parameters {shard / MiB:.0f} + optimizer "
+             f"{2 * shard / MiB:.0f}); its bound adds the largest tensor, {largest / MiB:.0f} MiB, and 64 MiB; the whole "
+             f"optimizer state is {2 * file / 2**30:.1f} GiB"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=["pythia-410m", "pythia-1b"])
@@ -318,7 +360,12 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per method")
     parser.add_argument("--rank-of", help=argparse.SUPPRESS)
+    parser.add_argument("--arithmetic", action="store_true",
+                        help="print the per-rank bytes of a --world-rank load of each model, from the code; run nothing")
     args = parser.parse_args()
+    if args.arithmetic:
+        print("\n".join(arithmetic(model_name, args.world) for model_name in args.models))
+        return
     if args.rank_of:
         paths = _paths(args.models[0], args.workdir, [args.rank_of])
         print(json.dumps(rank_main(args.rank_of, args.models[0], paths)), flush=True)
