@@ -41,8 +41,9 @@ library stores on CPU (bitsandbytes 0.50.2, torchao 0.18) by the tests.
 
 Under FSDP2 (parameters sharded by rows across ranks, see ``docs/many-ranks.md``) only a scheme
 with :attr:`~QuantScheme.shardable` works: its module is built before sharding
-(:meth:`Transform.replace` on the meta device), and each rank quantizes a whole weight and keeps
-its rows (:meth:`Transform.quantize_shard`). Of the registered schemes only ``torchao.nf4``
+(:meth:`Transform.replace` on the meta device), and each rank quantizes its own rows
+(:meth:`Transform.quantize_own_rows`, with :attr:`~QuantScheme.shards_by_rows`), or a whole weight and keeps its
+rows (:meth:`Transform.quantize_shard`). Of the registered schemes only ``torchao.nf4``
 does: bitsandbytes' ``Params4bit`` loses its ``quant_state`` under ``fully_shard``, and torchao's
 int8 and int4 tensors fail inside it (torch 2.13, torchao 0.18).
 

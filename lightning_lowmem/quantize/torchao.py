@@ -158,9 +158,9 @@ class TorchaoNF4(QuantScheme):
 
     Each chosen Linear becomes an :class:`~lightning_lowmem.quantize.nf4.NF4Linear` (frozen, 4-bit weight;
     its forward dequantizes to the input's dtype). On one device the whole weight is quantized; under FSDP2
-    each rank quantizes the whole weight's scales and keeps its rows
-    (:meth:`TorchaoNF4Transform.quantize_shard`), which gives the same numbers as quantizing on one device
-    and sharding after.
+    each rank quantizes its own rows, the mean of the whole weight's block scales agreed across the ranks
+    (:meth:`TorchaoNF4Transform.quantize_own_rows`), which gives the same numbers as quantizing on one device
+    and sharding after (bf16 weights: bit for bit).
 
     Attributes:
         block_size: weights per int8 scale.
