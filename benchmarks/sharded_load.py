@@ -32,7 +32,8 @@ Every process imports torch, lightning, litgpt, torchao and lightning_lowmem and
 first, then measures from its RSS just before it builds the model: the peak RSS (the kernel's high-water
 mark) until the model is loaded, the bytes of its own shards, the bytes it read (``read``/``pread`` system
 calls, ``rchar`` in ``/proc/self/io``, plus the growth of its file-backed RSS: pages of mapped files it
-touched), and the wall seconds of build + setup + load. Each method starts with its checkpoint file read
+touched; the memory monitors' reads of ``/proc/self/status``, about 0.3 MiB a second, count too, so for
+lowmem_fsdp the weights' bytes its own ``LoadReport.bytes_read`` counts are given beside), and the wall seconds of build + setup + load. Each method starts with its checkpoint file read
 once into the page cache.
 """
 
@@ -94,7 +95,8 @@ def rank_main(method: str, model_name: str, paths: dict[str, Path]) -> dict:
 
     result = {"peak": max(mon.usage.rss_peak, _status("VmHWM")) - mon.usage.rss_start,
               "shard": shard_nbytes(model) + _optimizer_nbytes(optimizer),
-              "read": _rchar() - rchar_start + max(mon.usage.file_peak - file_start, 0), "seconds": mon.usage.seconds}
+              "read": _rchar() - rchar_start + max(mon.usage.file_peak - file_start, 0), "seconds": mon.usage.seconds,
+              "reported": REPORTED.get("bytes_read")}
     dist.barrier()
     return result
 
@@ -135,14 +137,22 @@ def _lightning(method: str, config: object):
     return load
 
 
+REPORTED: dict[str, int] = {}
+"""What lowmem_fsdp's own report says it read (``LoadReport.bytes_read``: the weights' bytes, not the optimizer's)."""
+
+
 def _load(fabric: object, method: str, model: torch.nn.Module,
           path: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """``load_raw`` the weights, or (``-resume``) ``fabric.load`` the weights and an AdamW's state."""
-    if not method.endswith("resume"):
+    optimizer = None
+    if method.endswith("resume"):
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+    else:
         fabric.load_raw(path, model)
-        return model.module, None
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
-    fabric.load(path, {"model": model, "optimizer": optimizer})
+    reports = getattr(fabric.strategy, "reports", None)
+    if reports:
+        REPORTED["bytes_read"] = reports[-1].bytes_read
     return model.module, optimizer
 
 
@@ -277,9 +287,16 @@ def table(rows: list[tuple[str, str, list[dict]]], world: int) -> str:
             bound = f"{limit / MiB:.0f} ({'yes' if ranks[0]['peak'] <= limit else 'NO'})"
         pair = lambda key, scale=MiB, fmt=".0f": " / ".join(f"{r[key] / scale:{fmt}}" for r in ranks)  # noqa: E731
         out.append([model_name, method, CHECKPOINT_OF[method], pair("peak"), pair("shard"),
-                    " / ".join(f"{r['peak'] / r['shard']:.2f}" for r in ranks), pair("read"),
+                    " / ".join(f"{r['peak'] / r['shard']:.2f}" for r in ranks), pair("read") + _reported(ranks),
                     pair("seconds", 1, ".1f"), bound])
     return markdown(header, out)
+
+
+def _reported(ranks: list[dict]) -> str:
+    """`` (report: a / b)``: the weights' bytes lowmem_fsdp's reports counted, when they did."""
+    if any(r.get("reported") is None for r in ranks):
+        return ""
+    return " (report: " + " / ".join(f"{r['reported'] / MiB:.0f}" for r in ranks) + ")"
 
 
 def write_resume(model_name: str, workdir: Path) -> Path:
