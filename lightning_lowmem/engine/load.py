@@ -33,7 +33,9 @@ from lightning_lowmem.engine.ranks import agreement, rank
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
 from lightning_lowmem.engine.shard_checks import check_sharded
+from lightning_lowmem.engine.route import Traits
 from lightning_lowmem.engine.stream import Transform, stream
+from lightning_lowmem.engine.whole_reads import whole_reads
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
@@ -203,6 +205,10 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     """Stream the plan into the module, rebuild and place its buffers, check it, and fill ``report``."""
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
+    if report.read_whole:
+        log.info("This rank reads %d sharded tensors whole and keeps its part: %s", len(report.read_whole),
+                 format_names((f"{n} ({why})" for n, why in report.read_whole.items()), quote=False, sep="; "))
     report.tensors, report.bytes_read, report.mapped = stream(
         module, ckpt, plan, quantizer, transform=prepared.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)

@@ -38,6 +38,8 @@ import torch
 from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.engine.whole_reads import whole_reads
+from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 
@@ -147,6 +149,10 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         _add_target(est, route_of(target, traits))
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
+    read_whole = whole_reads(prepared.plan, traits)
+    if read_whole:
+        est.notes.append(f"{len(read_whole)} sharded tensors are read whole on this rank, which keeps its part: "
+                         + format_names((f"{n} ({why})" for n, why in read_whole.items()), limit=3, quote=False))
     if prepared.plan.missing:
         est.notes.append(f"{len(prepared.plan.missing)} module tensors are not in the checkpoint")
     if with_caches:

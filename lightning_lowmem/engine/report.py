@@ -40,6 +40,8 @@ class LoadReport:
         rank: this process's rank in the default process group (0 without one).
         shard_bytes: bytes of this rank's parts of the module's DTensor parameters (0 for a module that
             holds no DTensor); ``bytes_read`` is then what this rank read.
+        read_whole: sharded tensor name -> why this rank read all of it though it holds only a part (decided
+            before any read; ``engine/whole_reads.py``).
         source: which weights were read, and why those (a directory's choice among its weight sets).
         conversion: how the checkpoint's names became the module's (``""``: taken as they are).
     """
@@ -66,6 +68,7 @@ class LoadReport:
     offload: Offload | None = None
     rank: int = 0
     shard_bytes: int = 0
+    read_whole: dict[str, str] = field(default_factory=dict)
     source: str = ""
     conversion: str = ""
 
@@ -91,6 +94,9 @@ class LoadReport:
         if self.left_out:
             lines.append("  kept in full precision: " + format_names(
                 (f"{name} ({why})" for name, why in self.left_out.items()), limit=5, quote=False))
+        if self.read_whole:
+            lines.append(f"  read whole, this rank's part kept ({len(self.read_whole)}): " + format_names(
+                (f"{name} ({why})" for name, why in self.read_whole.items()), limit=3, quote=False))
         if self.placement is not None:
             per_device = self.placement.weights_per_device()
             lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())

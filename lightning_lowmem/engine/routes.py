@@ -15,6 +15,8 @@
         stacked rows   the same, quantized a block of rows at a time (``stacked.py``)
         stored         the parts of a weight stored quantized, as they are
         shard rows     this rank's rows of a DTensor, read straight into its local part
+        quantized shard rows   this rank's rows of a weight, read and quantized alone (a scheme that
+                       ``shards_by_rows``: one all-reduce per weight, ``shard_sums.py``)
 
 The stream asks a target's route to read it (:meth:`Route.read`); the estimate asks the same route what it
 holds beyond the final tensor while it is streamed in (:attr:`Route.transient`), so that the estimate cannot
@@ -43,9 +45,12 @@ from lightning_lowmem.quantize.rows import RowSource
 def route_of(target: Target, traits: Traits) -> Route:
     """The one decision of how ``target`` travels (see the module docstring)."""
     if target.shard is not None and target.own_rows is not None and not traits.transform:
-        if target.stack is not None and stackable(target, traits, by_rows=True):
+        if target.scheme is not None:
+            if quantized_alone(target) and traits.reads_rows(target.record.key):
+                return QuantizedShardRows(target)
+        elif target.stack is not None and stackable(target, traits, by_rows=True):
             return Stacked(target)
-        if not target.parts and traits.reads_rows(target.record.key):
+        elif not target.parts and traits.reads_rows(target.record.key):
             return ShardRows(target)
     if traits.mapped:
         return Mapped(target)
@@ -261,3 +266,37 @@ class ShardRows(Route):
     @property
     def scratch_nbytes(self) -> int:
         return self.rows_nbytes if self.copied else 0
+
+
+def quantized_alone(target: Target) -> bool:
+    """Whether this rank's rows of the quantized shard ``target`` can be quantized on their own: its scheme
+    ``shards_by_rows`` and its rows are one of several plain ``torch.chunk`` pieces the scheme's blocks split into."""
+    shard, scheme = target.shard, target.scheme
+    if not getattr(scheme, "shards_by_rows", False) or target.parts or len(target.record.shape) != 2:
+        return False
+    return shard.count > 1 and scheme.shard_reason(target.record.shape, shard.count) is None
+
+
+@dataclass(frozen=True)
+class QuantizedShardRows(ShardRows):
+    """This rank's rows of a weight quantized on their own (:meth:`Transform.quantize_own_rows`): read into fresh
+    memory (or scratch, when cast), cast; the whole weight is never read on this rank."""
+
+    kind: ClassVar[str] = "quantized shard rows"
+
+    def read(self, reader: Reader) -> Payload:
+        rec, (start, stop) = self.target.record, self.target.own_rows
+        out = reader.scratch_view((stop - start, *rec.shape[1:]), rec.dtype) if self.copied else None
+        return reader.read(rec, start, stop, out=out)
+
+    @property
+    def transient(self) -> int:
+        """Its rows as read and cast, quantizing them by blocks of rows (``by_rows_nbytes``), and the quantized
+        shard, made before it is copied into place."""
+        t = self.target
+        return self.rows_nbytes + (t.cast_nbytes if self.copied else 0) + by_rows_nbytes(t) + t.final_nbytes \
+            + decode(t)
+
+    @property
+    def final(self) -> bool:
+        return False

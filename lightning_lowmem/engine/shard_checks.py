@@ -4,7 +4,7 @@ modules built before it is sharded.
 Under FSDP2 a shard is filled in place, so it keeps the dtype and the tensor type its DTensor was
 built with. A quantized weight must therefore exist, on the meta device, before ``fully_shard`` runs:
 :func:`quantize_for_sharding` puts the scheme's modules in place of the chosen Linears (only a scheme
-that shards, ``torchao.nf4``), and a load then quantizes each whole weight and keeps this rank's rows.
+that shards, ``torchao.nf4``), and a load then quantizes this rank's rows of each weight.
 :func:`check_sharded` refuses, before any read, a load these shards cannot take.
 """
 

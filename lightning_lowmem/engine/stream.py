@@ -13,8 +13,10 @@ and the result; a stacked one: one part). On an error the caller puts the module
 
 A target that is a DTensor shard (``Target.shard``, its local part allocated by ``shard_fill.py``) is
 filled in place: a block of rows read as stored goes straight into the local part (one ``read_rows``);
-any other shard (a cast, a quantized weight, a transform, another placement) reads the whole tensor
-as the one in flight, then copies this rank's part (quantized: ``Quantizer.load_shard``).
+a weight whose scheme quantizes a rank's own rows (``torchao.nf4``) reads its rows, quantizes them with
+the whole weight's sums agreed across the ranks (``shard_sums.py``) and copies the result in; any other
+shard (a transform, another placement) reads the whole tensor as the one in flight, then copies this
+rank's part (quantized: ``Quantizer.load_shard``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from tqdm.auto import tqdm
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.readahead import read_ahead
 from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.engine.routes import QuantizedShardRows, route_of
+from lightning_lowmem.engine.shard_sums import ShardSums
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory import collector_paused
 from lightning_lowmem.meta import assign
@@ -66,23 +69,27 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     # Only the loop's own objects are made here unless a quantizer or a transform runs: those may leave reference
     # cycles (torchao's int8 weights did: +120 MiB with the collector paused), so the collector keeps running then.
     paused = collector_paused() if quantizer is None and transform is None else contextlib.nullcontext()
+    sums = ShardSums(module, [t for t in plan.targets if routes[id(t)].kind == QuantizedShardRows.kind])
     try:
         with torch.no_grad(), paused:
             for target, tensor in read_ahead(plan.targets, lambda t: routes[id(t)].read(reader),
                                              lambda t: t.read_nbytes, window):
                 route = routes[id(target)]
-                _install(module, target, tensor, quantizer, None if route.transformed else transform)
+                _install(module, target, tensor, quantizer, None if route.transformed else transform, sums)
                 del tensor
                 tensors += len(target.parts) or 1
                 nbytes += route.read_nbytes
                 bar.update(target.read_nbytes)
+    except BaseException as e:
+        sums.abandon(e)  # the other ranks wait in this rank's next all-reduce: they raise there instead
+        raise
     finally:
         bar.close()
     return tensors, nbytes, mapped
 
 
 def _install(module: nn.Module, target: Target, tensor: Payload, quantizer: Quantizer | None,
-             transform: Transform | None) -> None:
+             transform: Transform | None, sums: ShardSums) -> None:
     """Put what was read for ``target`` into ``module``: quantized (a marked weight) or cast, moved and assigned."""
     if isinstance(tensor, RowSource):
         quantizer.load(module, target, tensor)  # cast and moved block by block already
@@ -91,7 +98,7 @@ def _install(module: nn.Module, target: Target, tensor: Payload, quantizer: Quan
         quantizer.load_stored(module, target, tensor)
         return
     if target.shard is not None:
-        _install_shard(module, target, tensor, quantizer, transform)
+        _install_shard(module, target, tensor, quantizer, transform, sums)
         return
     if transform is not None:
         tensor = transform(target.names[0], tensor)
@@ -101,7 +108,7 @@ def _install(module: nn.Module, target: Target, tensor: Payload, quantizer: Quan
 
 
 def _install_shard(module: nn.Module, target: Target, tensor: torch.Tensor, quantizer: Quantizer | None,
-                   transform: Transform | None) -> None:
+                   transform: Transform | None, sums: ShardSums) -> None:
     """Fill this rank's part of a DTensor in place from what was read: its own rows, or the whole tensor."""
     local = local_of(module, target)
     shard = target.shard
@@ -109,6 +116,11 @@ def _install_shard(module: nn.Module, target: Target, tensor: torch.Tensor, quan
         return  # read straight into place
     if transform is not None:
         tensor = transform(target.names[0], tensor)
+    if target.scheme is not None and tuple(tensor.shape) != shard.shape:  # its own rows (QuantizedShardRows)
+        rows = tensor.to(dtype=target.dtype).to(device=target.device)
+        del tensor
+        local.copy_(quantizer.load_own_rows(target, rows, sums.sum_across(target)))
+        return
     if target.scheme is not None:
         local.copy_(quantizer.load_shard(target, tensor.to(dtype=target.dtype), shard.index, shard.count))
         return

@@ -140,16 +140,18 @@ class Checkpoint:
         """The entry a torch file's state dict was found under (``state_dict``, ``model``) or ``''``."""
         return next((f.entry for f in self.files if getattr(f, "entry", "")), "")
 
-    def other_entries(self) -> tuple[dict[str, Any], list[str]]:
+    def other_entries(self, unread: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
         """A torch checkpoint's entries other than the weights' (optimizer state, counters), read without
         reading the weights, and where in them objects stand that were not built (see
-        :meth:`TorchZipFile.other_entries`); empty for safetensors files and bare state dicts."""
+        :meth:`TorchZipFile.other_entries`; the tensors of the entries named in ``unread`` left as
+        :class:`~lightning_lowmem.formats.entry_tensor.EntryTensor` handles); empty for safetensors files and bare
+        state dicts."""
         out: dict[str, Any] = {}
         inert: list[str] = []
         for f in self.files:
             if isinstance(f, TorchZipFile):
                 was_open = f.is_open
-                entries, paths = f.other_entries()
+                entries, paths = f.other_entries(unread)
                 if not was_open and self._limit is not None:
                     f.release()  # read outside the count of open files: released again
                 out.update(entries)

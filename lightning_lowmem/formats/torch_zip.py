@@ -31,6 +31,7 @@ from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
 from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
+from lightning_lowmem.formats.entry_tensor import EntryTensor
 from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
 from lightning_lowmem.formats.zip_records import RESAVE as _RESAVE
 from lightning_lowmem.formats.zip_records import ZipRecords, check_crc, crc_of
@@ -303,21 +304,25 @@ class TorchZipFile(OpenedFile):
         else:
             self._check_crc(loc.ref.storage.key, crc, key)
 
-    def other_entries(self) -> tuple[dict[str, Any], list[str]]:
+    def other_entries(self, unread: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
         """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them
         objects stand that were not built (``"hyper_parameters.path"``).
 
         Empty for a bare state dict. The weights are not read. Built as ``torch.load`` builds them (see
         ``entries.py``): an object the pickle refers to twice is one object, and the tensors on one storage
-        are views of it, read once. At most one item per byte of the file is built.
+        are views of it, read once. At most one item per byte of the file is built. The tensors of the
+        entries named in ``unread`` are left unread, as :class:`EntryTensor` handles (read later, whole or by rows).
         """
         if not self.entry:
             return {}, []
         rest = {name: value for name, value in self._checkpoint.items() if name != self.entry}
         storages: dict[str, torch.Tensor] = {}
 
-        def tensor_of(ref: TensorRef, where: str) -> torch.Tensor:
-            self._locate(where, ref)  # its view fits its storage
+        def tensor_of(ref: TensorRef, where: str) -> torch.Tensor | EntryTensor:
+            loc = self._locate(where, ref)  # its view fits its storage
+            if where.split(".", 1)[0] in unread:
+                return EntryTensor(where, ref.shape, ref.dtype, lambda start, stop, out: self._read_entry_rows(
+                    loc, where, start, stop, out), loc.contiguous)
             if ref.storage.key not in storages:
                 storages[ref.storage.key] = self._read_storage(ref.storage, where)
             return storages[ref.storage.key].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
@@ -331,6 +336,17 @@ class TorchZipFile(OpenedFile):
             raise CheckpointFormatError(
                 f"{self.path}: its entries beside the weights hold more than {self.size} items, more than a file of "
                 f"{self.size} bytes can describe; the file is damaged or crafted. {_RESAVE}") from None
+
+    def _read_entry_rows(self, loc: _Location, where: str, start: int, stop: int,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``start:stop`` of an entry's tensor (all of them: read as :meth:`read` reads a weight, its CRC-32
+        checked when it is its whole record; some rows of a contiguous one: those bytes alone, unchecked)."""
+        ref = loc.ref
+        if not ref.shape or (start == 0 and stop == ref.shape[0]):
+            return self._read(loc, out, where)
+        row = math.prod(ref.shape[1:]) * ref.dtype.itemsize
+        out = torch.empty((stop - start, *ref.shape[1:]), dtype=ref.dtype) if out is None else out
+        return self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize + start * row)
 
     def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
         """A storage's record read whole (its bytes), checked against its CRC-32."""

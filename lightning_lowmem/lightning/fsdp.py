@@ -56,11 +56,11 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
       in one group, the root last) and gives this rank's shards memory, with no random initialisation.
       With ``quantize="torchao.nf4"`` the chosen Linears become 4-bit ``NF4Linear`` modules first (QLoRA).
     * ``fabric.load_raw(path, model)`` and the model entry of ``fabric.load(path, state)`` stream each rank's rows
-      into its shards (:func:`~lightning_lowmem.load_checkpoint`); a quantized weight is read whole, quantized,
-      and this rank's rows kept. LoRA adapters missing from the checkpoint are initialised.
+      into its shards (:func:`~lightning_lowmem.load_checkpoint`); a quantized weight's rows are read and quantized
+      on this rank alone. LoRA adapters missing from the checkpoint are initialised.
     * ``fabric.save`` and ``fabric.load`` of Lightning's own sharded checkpoints (a directory, one file per rank)
-      work as in ``ModelParallelStrategy``; a full checkpoint file's optimizer states are restored as Lightning
-      restores them.
+      work as in ``ModelParallelStrategy``; from a full checkpoint file each rank reads its part of each optimizer
+      state tensor (``optimizer_shards.py``).
 
     Args:
         parallelize_fn: ``fn(model, device_mesh) -> model``; default :func:`~lightning_lowmem.placement.shard_model`.

@@ -3,8 +3,8 @@
 After ``setup``, a rank's shards hold memory but no values (nothing is initialised, a load fills them):
 :func:`guard_unfilled` makes the model's first forward before any load an error instead of a silent
 forward over garbage. :func:`load_full_checkpoint` is ``fabric.load`` of one checkpoint file (not
-Lightning's sharded directory): the model's entry streamed into the shards, optimizer states restored
-the way Lightning's ``ModelParallelStrategy`` restores a full checkpoint's, the rest as Lightning does.
+Lightning's sharded directory): the model's entry streamed into the shards, each optimizer state tensor
+read as this rank's part of its parameter (``optimizer_shards.py``), the rest as Lightning does.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from lightning_lowmem.engine import opened
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.lightning.optimizer_shards import load_optimizer_shards
 from lightning_lowmem.lightning.state import other_entries, restore_entries, weights_key
 
 _UNFILLED = "_lowmem_unfilled"
@@ -48,32 +49,28 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
                          weights_only: bool | None, stream: Callable[[Checkpoint, nn.Module], None]) -> dict[str, Any]:
     """``fabric.load(file, state)`` for a sharded model; returns the entries ``state`` did not ask for.
 
+    The model's entry is ``stream``-ed into its shards; each optimizer's entry is left unread until then, and each
+    of its state tensors read as this rank's part of its parameter (:func:`load_optimizer_shards`); the rest as
+    Lightning restores it.
+
     Args:
         path: one checkpoint file (or directory of safetensors files), not Lightning's sharded directory.
         state: what to restore: the model (its entry ``stream``-ed), optimizers, other objects.
         strict, weights_only: as ``fabric.load``.
         stream: loads the checkpoint's weights into a module.
     """
-    with opened(path) as ckpt:  # once: headers, the other entries, then the weights
-        rest = other_entries(ckpt, state, weights_only)
+    has_model = any(isinstance(v, nn.Module) for v in state.values())
+    optimizers = frozenset(k for k, v in state.items() if isinstance(v, Optimizer)) if has_model else frozenset()
+    with opened(path) as ckpt:  # once: headers, the other entries (optimizers' unread), the weights, the optimizers
+        rest = other_entries(ckpt, state, weights_only, unread=optimizers)
         key = weights_key(ckpt, state)
         _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
         if key is not None:
             stream(ckpt, state[key])
-    model = state[key] if key is not None else next((v for v in state.values() if isinstance(v, nn.Module)), None)
+        model = state[key] if key is not None else next((v for v in state.values() if isinstance(v, nn.Module)),
+                                                        None)
 
-    def load_optimizer(optimizer: Optimizer, saved: dict[str, Any]) -> None:
-        _load_optimizer(model, optimizer, saved, strict)
+        def load_optimizer(optimizer: Optimizer, saved: dict[str, Any]) -> None:
+            load_optimizer_shards(model, optimizer, saved)
 
-    return restore_entries(state, rest, key, strict, load_optimizer if model is not None else None)
-
-
-def _load_optimizer(model: nn.Module, optimizer: Optimizer, saved: dict[str, Any], strict: bool) -> None:
-    """A full optimizer state (saved by ``fabric.save`` with ``save_distributed_checkpoint=False``) given to a
-    sharded model's optimizer, each rank its part, as Lightning's ``ModelParallelStrategy`` does it."""
-    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=_rekey_optimizer_state_if_needed(saved, model),
-                             options=options)
+        return restore_entries(state, rest, key, strict, load_optimizer if model is not None else None)

@@ -108,7 +108,8 @@ def restore_entries(state: dict[str, Any], rest: dict[str, Any], key: str | None
     return rest
 
 
-def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: bool | None) -> dict[str, Any]:
+def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: bool | None,
+                  unread: frozenset[str] = frozenset()) -> dict[str, Any]:
     """A checkpoint's entries beside the weights (optimizer state, counters), for ``fabric.load``.
 
     They come from the pickle the plan was made from, without reading the weights; entries holding
@@ -116,10 +117,13 @@ def other_entries(ckpt: Checkpoint, requested: Mapping[str, Any], weights_only: 
     left out, with a warning naming them. ``weights_only=False``, Lightning's and torch's "I trust
     this file", unpickles them as ``torch.load`` does, running what the file asks for.
 
+    The tensors of the entries named in ``unread`` are left unread (``EntryTensor`` handles), to be read as needed
+    (a sharded optimizer's: each rank its part).
+
     Raises:
         UnsafeCheckpointError: an entry named in ``requested`` holds such objects and ``weights_only`` is not False.
     """
-    rest, not_built = ckpt.other_entries()
+    rest, not_built = ckpt.other_entries(unread)
     if not not_built:
         return rest
     if weights_only is False and len(ckpt.paths) == 1:

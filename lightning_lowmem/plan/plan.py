@@ -88,10 +88,12 @@ class Target:
 
     @property
     def own_rows(self) -> tuple[int, int] | None:
-        """The block of rows this rank reads on its own (a row shard, read as stored or from a stack's parts),
-        else None."""
-        if self.shard is None or (self.parts and self.stack is None) or self.scheme is not None:
+        """The block of rows this rank reads on its own (a row shard, read as stored or from a stack's parts, or
+        quantized on its own by a scheme that can: ``shards_by_rows``), else None."""
+        if self.shard is None or (self.parts and self.stack is None):
             return None
+        if self.scheme is not None and (self.parts or not getattr(self.scheme, "shards_by_rows", False)):
+            return None  # read whole, quantized, and this rank's rows kept
         return self.shard.rows
 
     @property

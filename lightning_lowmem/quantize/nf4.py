@@ -10,7 +10,17 @@ weight's scales and keeps its rows (torch.chunk's, which FSDP2 also cuts).
 for bit (the tests check it), with torchao's own functions applied to blocks of rows: the block
 maxima of the whole weight a block at a time (``get_block_absmax``), their double quantization
 (``NF4Tensor.double_quantize_scalers`` on the maxima, with blocks of one), then the codes of the
-shard's rows only (``NF4Tensor.convert_to_norm_float_weight``). On pythia-1b's 8192 x 2048 MLP
+shard's rows only (``NF4Tensor.convert_to_norm_float_weight``).
+
+:func:`quantize_own_rows` makes the same shard from the shard's rows alone. Everything but the mean is
+computed block by block (a block's scale from its 64 weights, a scale of scales from 256 block scales,
+which lie in one shard when a shard's weights are a multiple of 64 x 256), so the one number a rank
+needs from the others is the sum of their block maxima: one float64 all-reduce per weight. The mean is
+then made as ``Tensor.mean`` makes it (a float32 sum divided by the count, rounded to the weight's dtype).
+The float64 sum is exact, so for bf16 and fp16 weights the mean, and the shard, equal ``to_nf4``'s bit for
+bit unless torch's own float32 summation rounds across a bf16 step, which none of the tests' weights
+(skewed on purpose, 4 shapes x 1, 2, 4 shards) showed. For float32 weights the mean can differ from
+``to_nf4``'s in its last bit (torch's float32 sum is not exact), and with it the scales of scales. On pythia-1b's 8192 x 2048 MLP
 weight (bf16, 32 MiB), ``to_nf4`` held 134-143 MiB above the weight and took 3.4 s; by blocks of
 rows ... (see ``docs/many-ranks.md``).
 
@@ -84,6 +94,55 @@ def quantize_rows(weight: torch.Tensor, index: int, count: int, block_size: int,
     scalers, factor = (t.chunk(count)[index].clone() for t in (scalers, factor))
     args = nf4.SubclassTensorArgs(torch.Size((local_rows, cols)), (cols, 1), 0, weight.dtype, weight.device, False)
     return nf4.NF4Tensor(args, block_size, n_blocks, scaler_block_size, scalers, factor, mean, codes, table)
+
+
+def quantize_own_rows(rows: torch.Tensor, whole_rows: int, block_size: int, scaler_block_size: int,
+                      sum_across: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """This rank's shard of ``to_nf4(weight)`` (``torch.chunk``'s, as FSDP2 cuts it) from its own ``rows`` alone.
+
+    Args:
+        rows: this rank's rows of the weight (2-D, contiguous, in the dtype quantized); their element count a
+            multiple of ``block_size * scaler_block_size`` (``TorchaoNF4.shard_reason``).
+        whole_rows: the whole weight's row count.
+        block_size, scaler_block_size: as ``to_nf4``'s.
+        sum_across: the sum of a float64 scalar over every rank holding a shard of this weight (an all-reduce);
+            called once.
+
+    Example::
+
+        >>> weight = torch.randn(256, 128).to(torch.bfloat16)
+        >>> whole = nf4_module().to_nf4(weight)
+        >>> alone = quantize_own_rows(weight, 256, 64, 256, lambda total: total)  # one rank: all the rows
+        >>> torch.equal(alone.quantized_data, whole.quantized_data), torch.equal(alone.scaler_mean, whole.scaler_mean)
+        (True, True)
+    """
+    nf4 = nf4_module()
+    local_rows, cols = rows.shape
+    n_blocks = whole_rows * cols // block_size
+    absmax, = map_rows(rows, lambda b: [nf4.get_block_absmax(b.reshape(-1), block_size)],
+                       local_rows * cols // block_size, block_size)
+    total = sum_across(absmax.sum(dtype=torch.float64))  # exact: block maxima have 8 to 24 significant bits
+    mean = (total.to(torch.float32) / n_blocks).to(rows.dtype)  # as Tensor.mean: float32 sum / count, rounded once
+    scalers, factor = _double_quantize(absmax, mean.to(absmax.device), scaler_block_size)
+    del absmax
+    table = _code_table(rows.dtype, rows.device)
+    codes, = map_rows(rows, lambda b: [nf4.NF4Tensor.convert_to_norm_float_weight(
+        b, b.numel() // block_size, block_size, table)], local_rows * cols // 2, block_size, CODE_BLOCK)
+    args = nf4.SubclassTensorArgs(torch.Size((local_rows, cols)), (cols, 1), 0, rows.dtype, rows.device, False)
+    return nf4.NF4Tensor(args, block_size, n_blocks, scaler_block_size, scalers, factor, mean, codes, table)
+
+
+def _double_quantize(absmax: torch.Tensor, mean: torch.Tensor,
+                     scaler_block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``NF4Tensor.double_quantize_scalers`` after its mean, given the mean: int8 scales and each block of
+    ``scaler_block_size`` scales' factor, computed as torchao computes them (torchao takes the mean itself)."""
+    centered = absmax - mean
+    n_scaler_blocks = centered.numel() // scaler_block_size
+    blocks = centered.view(n_scaler_blocks, scaler_block_size)
+    scaler_absmax = nf4_module().get_block_absmax(centered, scaler_block_size)
+    factor = 256 / (2 * scaler_absmax.unsqueeze(-1).expand(n_scaler_blocks, scaler_block_size))
+    quantized = (blocks * factor).round().clamp(-128, 127)
+    return quantized.flatten().to(torch.int8), factor[:, 0].contiguous()
 
 
 def _code_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

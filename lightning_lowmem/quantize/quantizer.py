@@ -17,6 +17,8 @@ each target carries its own scheme (the file's options), which is the one used.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -128,6 +130,20 @@ class Quantizer:
         self.bytes_after += tensor_nbytes(shard)
         self.quantized[module_name] = self.scheme.name
         release_free_heap()  # the whole weight and its temporaries went: give them back before the next
+        return shard
+
+
+    def load_own_rows(self, target: Target, rows: torch.Tensor,
+                      sum_across: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of ``target``'s weight quantized from its own ``rows`` alone, the whole weight's sums
+        agreed by ``sum_across`` (:meth:`~lightning_lowmem.quantize.schemes.Transform.quantize_own_rows`); the
+        caller copies it into place."""
+        module_name = self._modules[target.names[0]]
+        self.bytes_before += rows.nbytes
+        shard = target.scheme.transform.quantize_own_rows(rows, target.record.shape, sum_across)
+        self.bytes_after += tensor_nbytes(shard)
+        self.quantized[module_name] = target.scheme.name
+        release_free_heap(TRIM_AT)
         return shard
 
 

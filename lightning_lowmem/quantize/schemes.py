@@ -41,8 +41,9 @@ library stores on CPU (bitsandbytes 0.50.2, torchao 0.18) by the tests.
 
 Under FSDP2 (parameters sharded by rows across ranks, see ``docs/many-ranks.md``) only a scheme
 with :attr:`~QuantScheme.shardable` works: its module is built before sharding
-(:meth:`Transform.replace` on the meta device), and each rank quantizes a whole weight and keeps
-its rows (:meth:`Transform.quantize_shard`). Of the registered schemes only ``torchao.nf4``
+(:meth:`Transform.replace` on the meta device), and each rank quantizes its own rows
+(:meth:`Transform.quantize_own_rows`, with :attr:`~QuantScheme.shards_by_rows`), or a whole weight and keeps its
+rows (:meth:`Transform.quantize_shard`). Of the registered schemes only ``torchao.nf4``
 does: bitsandbytes' ``Params4bit`` loses its ``quant_state`` under ``fully_shard``, and torchao's
 int8 and int4 tensors fail inside it (torch 2.13, torchao 0.18).
 
@@ -97,6 +98,10 @@ class QuantScheme:
     assumed where not measured)."""
     shardable: ClassVar[bool] = False
     """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`Transform.quantize_shard`."""
+    shards_by_rows: ClassVar[bool] = False
+    """Whether a rank can quantize its own rows of a weight alone, the statistics of the whole weight agreed as sums
+    across the ranks (:meth:`Transform.quantize_own_rows`): each rank then reads only its rows. False, for a
+    shardable scheme: each rank reads the whole weight, quantizes it and keeps its rows."""
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
@@ -183,6 +188,13 @@ class Transform(Generic[SchemeT]):
         :attr:`~QuantScheme.shardable`): the whole weight is quantized, so that scales computed over all of it
         agree on every rank, and the shard is cut out of the result as ``torch.chunk`` (and FSDP2) cut it."""
         raise NotImplementedError(f"{self.scheme.name!r} cannot be sharded")
+
+    def quantize_own_rows(self, rows: torch.Tensor, shape: tuple[int, ...],
+                          sum_across: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """This rank's row shard of a weight of ``shape`` quantized from its own ``rows`` alone (schemes with
+        :attr:`~QuantScheme.shards_by_rows`), equal to :meth:`quantize_shard` of the whole weight; ``sum_across``
+        sums a tensor over the ranks that hold the weight's other rows (an all-reduce, the same calls on each)."""
+        raise NotImplementedError(f"{self.scheme.name!r} cannot quantize a shard from its own rows")
 
     def quantize_stack(self, module: nn.Module, name: str, weight: torch.Tensor | RowSource,
                        shape: tuple[int, ...]) -> None:

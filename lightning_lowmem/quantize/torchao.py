@@ -24,7 +24,8 @@ measured here (no CPU kernel).
 
 ``torchao.nf4`` is QLoRA's NF4 in torchao's ``NF4Tensor``, the one quantized tensor that composes with
 FSDP2 (``fully_shard``): each Linear becomes an ``NF4Linear`` (see ``nf4.py``), built on meta before the
-model is sharded; each rank quantizes a whole weight and keeps its rows. Quantizing pythia-1b's
+model is sharded; each rank reads and quantizes only its rows, the mean of the whole weight's block
+scales agreed across the ranks (``nf4.quantize_own_rows``). Quantizing pythia-1b's
 8192 x 2048 weight by blocks of rows held 42-72 MiB above the bf16 weight (torchao's ``to_nf4`` on
 the whole weight: 134-143 MiB); its forward holds 16.5 bytes per weight element (a dequantized copy
 made through int64 codes).
@@ -37,13 +38,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_nbytes, quantize_rows
+from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_nbytes, quantize_own_rows, quantize_rows
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
@@ -156,9 +158,9 @@ class TorchaoNF4(QuantScheme):
 
     Each chosen Linear becomes an :class:`~lightning_lowmem.quantize.nf4.NF4Linear` (frozen, 4-bit weight;
     its forward dequantizes to the input's dtype). On one device the whole weight is quantized; under FSDP2
-    each rank quantizes the whole weight's scales and keeps its rows
-    (:meth:`TorchaoNF4Transform.quantize_shard`), which gives the same numbers as quantizing on one device
-    and sharding after.
+    each rank quantizes its own rows, the mean of the whole weight's block scales agreed across the ranks
+    (:meth:`TorchaoNF4Transform.quantize_own_rows`), which gives the same numbers as quantizing on one device
+    and sharding after (bf16 weights: bit for bit).
 
     Attributes:
         block_size: weights per int8 scale.
@@ -169,6 +171,7 @@ class TorchaoNF4(QuantScheme):
     scaler_block_size: int = 256
     package: ClassVar[str] = "torchao"
     shardable: ClassVar[bool] = True
+    shards_by_rows: ClassVar[bool] = True
     transient: ClassVar[float] = 4.5
     library_bytes: ClassVar[int] = 25 * 2**20
     first_forward: ClassVar[float] = 16.5
@@ -249,7 +252,8 @@ class TorchaoTransform(Transform[TorchaoScheme]):
 @register_transform(TorchaoNF4)
 class TorchaoNF4Transform(Transform[TorchaoNF4]):
     """An :class:`~lightning_lowmem.quantize.nf4.NF4Linear` in the Linear's place, built on meta (before the model
-    is sharded, under FSDP2); the whole weight quantized, and a rank's rows kept (:meth:`quantize_shard`)."""
+    is sharded, under FSDP2); the whole weight quantized and a rank's rows kept (:meth:`quantize_shard`), or a
+    rank's rows quantized alone (:meth:`quantize_own_rows`)."""
 
     def replace(self, linear: nn.Linear, dtype: torch.dtype) -> nn.Module:
         return NF4Linear.on_meta(linear, dtype, self.scheme.block_size, self.scheme.scaler_block_size)
@@ -263,3 +267,8 @@ class TorchaoNF4Transform(Transform[TorchaoNF4]):
 
     def quantize_shard(self, weight: torch.Tensor, index: int, count: int) -> torch.Tensor:
         return quantize_rows(weight.contiguous(), index, count, self.scheme.block_size, self.scheme.scaler_block_size)
+
+    def quantize_own_rows(self, rows: torch.Tensor, shape: tuple[int, ...],
+                          sum_across: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return quantize_own_rows(rows.contiguous(), shape[0], self.scheme.block_size, self.scheme.scaler_block_size,
+                                 sum_across)

@@ -53,7 +53,7 @@ names = {"lm_head.weight": "weight", "transformer.ln_f.weight": "norm"}
 report = load_checkpoint(module, args["paths"]["safetensors"], key_map=names.get, progress=False)
 emit(columns=torch.equal(module.weight.to_local(), reference["lm_head.weight"][:, rank * cols:(rank + 1) * cols]),
      replicated=torch.equal(module.norm.to_local(), reference["transformer.ln_f.weight"]),
-     whole_read=report.bytes_read == (101 * 256 + 256) * 2)
+     whole_read=report.bytes_read == (101 * 256 + 256) * 2, read_whole=sorted(report.read_whole))
 """
 
 
@@ -80,7 +80,8 @@ def test_each_rank_reads_exactly_its_rows_into_its_shards(run_ranks, shard_confi
     ranks = run_ranks(SHARDED_LOAD, dict(config=shard_config, paths=paths, reference=reference))
     for result in ranks:
         assert result.returncode == 0, result.stderr[-3000:]
-        assert set(result.values) == {*paths, "columns", "replicated", "whole_read"}
+        assert set(result.values) == {*paths, "columns", "replicated", "whole_read", "read_whole"}
+        assert result.values["read_whole"] == ["weight"]  # the columns, said before the read; the replica is its own
         for kind, got in ((k, v) for k, v in result.values.items() if k in paths):
             assert got["mismatched"] == [], (result.rank, kind)
             assert got["bytes_read"] == got["share"], (result.rank, kind)  # only its own rows

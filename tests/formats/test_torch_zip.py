@@ -194,3 +194,21 @@ def test_a_malformed_byteorder_record_is_a_typed_error(tmp_path, content):
     _rezip(tmp_path / "src.pt", tmp_path / "order.pt", edit=lambda n, d: content if n.endswith("byteorder") else d)
     with pytest.raises(CheckpointFormatError, match=r"order\.pt says its byte order is"):
         Checkpoint.open(tmp_path / "order.pt")
+
+
+def test_entries_left_unread_are_read_whole_or_by_rows(tmp_path):
+    from lightning_lowmem.formats.entry_tensor import EntryTensor
+
+    state = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    torch.save({"model": {"w": torch.ones(2)}, "optimizer": {"state": {"w": {"exp_avg": state}}}, "n": torch.ones(3)},
+               tmp_path / "f.ckpt")
+    with Checkpoint.open(tmp_path / "f.ckpt") as ckpt:
+        rest, _ = ckpt.other_entries(frozenset({"optimizer"}))
+        handle = rest["optimizer"]["state"]["w"]["exp_avg"]
+        assert isinstance(handle, EntryTensor) and handle.shape == (6, 4) and handle.nbytes == state.nbytes
+        assert torch.equal(rest["n"], torch.ones(3))  # other entries read as before
+        assert torch.equal(handle.read_rows(2, 5), state[2:5]) and torch.equal(handle.read(), state)
+        out = torch.empty(1, 4)
+        assert handle.read_rows(5, 6, out=out) is out and torch.equal(out, state[5:])
+        with pytest.raises(IndexError):
+            handle.read_rows(4, 7)
