@@ -124,12 +124,15 @@ def lora_key_map():
 @pytest.fixture(scope="session")
 def eager_gpt():
     """``eager_gpt(reference, dtype)``: what users do without this library: a real GPT built in ``dtype`` and
-    ``load_state_dict`` of ``reference``'s weights, in eval mode."""
+    ``load_state_dict`` of ``reference``'s weights, in eval mode. Its RoPE tables are built again by litgpt's own
+    ``reset_parameters()`` after the conversion, in the dtype litgpt gives them (float32), as Lightning does after
+    its precision plugin converts a model."""
     def build(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
         from litgpt import GPT
 
         model = GPT(reference.config).to(dtype)
         model.load_state_dict(reference.state_dict())
+        model.reset_parameters()
         return model.eval()
 
     return build

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.formats.crc_pieces import Unchecked
 from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
 from lightning_lowmem.formats.files import open_regular
 from lightning_lowmem.formats.gguf_file import GGUFFile
@@ -165,6 +166,12 @@ class Checkpoint:
         """Raise :class:`CheckpointFormatError` when a file changed since it was opened."""
         for f in self.files:
             f.check_unchanged()
+
+    def unchecked(self) -> list[Unchecked]:
+        """What was read of torch files' records in parts that did not cover them (this rank's rows), so their
+        CRC-32s are not checked yet: for the ranks to check together
+        (:func:`~lightning_lowmem.formats.crc_pieces.check_unchecked`). Empty for other formats."""
+        return [record for f in self.files if isinstance(f, TorchZipFile) for record in f.unchecked()]
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``key`` into a new tensor, or into ``out`` (contiguous, of its shape and dtype) when given.

@@ -18,9 +18,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.engine import opened
+from lightning_lowmem.engine.ranks import agreement
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.state import other_entries, restore_entries, weights_key
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 _UNFILLED = "_lowmem_unfilled"
 
@@ -54,7 +56,10 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
         strict, weights_only: as ``fabric.load``.
         stream: loads the checkpoint's weights into a module.
     """
-    with opened(path) as ckpt:  # once: headers, the other entries, then the weights
+    # Every rank reads the other entries and streams its shards before the optimizer states are exchanged (a
+    # collective): a rank failing here (a read error in the optimizer state) stops every rank here, not there.
+    sharded = any(is_dtensor(p) for v in state.values() if isinstance(v, nn.Module) for p in v.parameters())
+    with agreement(sharded, "while reading the checkpoint"), opened(path) as ckpt:  # once: headers, entries, weights
         rest = other_entries(ckpt, state, weights_only)
         key = weights_key(ckpt, state)
         _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)

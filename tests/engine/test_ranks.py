@@ -61,3 +61,68 @@ def test_without_a_process_group_the_block_runs_as_it_is():
     with agreement(True):
         value = torch.ones(1)
     assert value.item() == 1
+
+
+FAILURES = """
+import errno, os
+from litgpt import GPT
+from lightning_lowmem import Checkpoint, LowMemError, init_empty, load_checkpoint
+from lightning_lowmem.placement import shard_model
+
+failing = {"key": None, "now": False}  # this rank's reads of failing["key"] fail in the system call itself
+for method in ("read", "read_rows"):
+    def wrapped(self, key, *a, _real=getattr(Checkpoint, method), **k):
+        failing["now"] = key == failing["key"]
+        try:
+            return _real(self, key, *a, **k)
+        finally:
+            failing["now"] = False
+    setattr(Checkpoint, method, wrapped)
+real_preadv = os.preadv
+def preadv(fd, buffers, offset):
+    if failing["now"]:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return real_preadv(fd, buffers, offset)
+os.preadv = preadv
+
+def attempt(path):
+    torch.set_default_dtype(torch.bfloat16)
+    with init_empty():
+        model = shard_model(GPT(config()), mesh)
+    torch.set_default_dtype(torch.float32)
+    try:
+        load_checkpoint(model, path, progress=False)
+    except Exception as e:
+        return dict(error=type(e).__name__, message=str(e), ours=isinstance(e, LowMemError),
+                    on_meta=all(p.is_meta for p in model.parameters()))
+    return dict(error=None)
+
+if rank == args["failing"]:
+    failing["key"] = args["key"]
+for name, path in args["paths"].items():
+    emit(**{name: attempt(path)})
+    dist.barrier()  # still in step: no rank is left in a collective another never joins
+emit(done=True)
+"""
+
+
+def _check_every_rank_raised(ranks, name: str, error: str, failing: int) -> None:
+    for result in ranks:
+        assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
+        assert result.values["done"]
+        got = result.values[name]
+        assert got["error"] == error and got["ours"] and got["on_meta"], got
+        assert got["message"] == ranks[0].values[name]["message"]  # the same error, word for word, on every rank
+        assert f"Rank {failing} of {len(ranks)} failed while reading its shard" in got["message"]
+
+
+def test_a_read_error_on_one_rank_mid_stream_raises_the_same_error_on_every_rank(
+        run_ranks, shard_config, tiny_gpt, write_checkpoint, tmp_path):
+    from litgpt import Config
+
+    path = write_checkpoint(tiny_gpt(Config(**shard_config), torch.bfloat16).state_dict(), "safetensors", tmp_path)
+    ranks = run_ranks(FAILURES, dict(config=shard_config, paths={"eio": str(path)}, failing=1,
+                                     key="transformer.h.1.attn.qkv.weight"), timeout=200)
+    _check_every_rank_raised(ranks, "eio", "CheckpointReadError", failing=1)
+    assert "Input/output error" in ranks[0].values["eio"]["message"]
+    assert "transformer.h.1.attn.qkv.weight" in ranks[0].values["eio"]["message"]
