@@ -113,6 +113,8 @@ import lightning as L
 import safetensors.torch
 from litgpt import GPT
 
+import lightning_lowmem  # registers "lowmem_fsdp" with Fabric
+
 fabric = L.Fabric(accelerator="cpu", devices=world, strategy="lowmem_fsdp", precision="bf16-true")
 fabric.launch()
 with fabric.init_module():
