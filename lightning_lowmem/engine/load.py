@@ -29,12 +29,13 @@ from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
 from lightning_lowmem.engine.weight_sets import Chosen
-from lightning_lowmem.engine.ranks import agreement, rank
+from lightning_lowmem.engine.ranks import agreement, from_first_rank, rank
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
 from lightning_lowmem.engine.shard_checks import check_sharded
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.checkpoint import headers_shared
 from lightning_lowmem.formats.crc_pieces import check_unchecked
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
@@ -166,7 +167,7 @@ def _load_whole_or_not_at_all(module: nn.Module,
     snapshot = Snapshot(module)
     sharded = bool(sharded_parameters(module))
     try:
-        with agreement(sharded):
+        with agreement(sharded), headers_shared(from_first_rank if sharded else None):  # rank 0 parses headers
             prepared, ckpt = prepare()
             architecture = _check_before_reading(prepared)
         return _load(prepared, ckpt, architecture, sharded)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from lightning_lowmem import errors
@@ -109,6 +109,25 @@ def check_peers() -> None:
     if stage.any_failed(False):
         stage._heard = True
         raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+
+
+def from_first_rank(make: Callable[[], Any], send: Callable[[Any], Any] = lambda value: value) -> Any:
+    """``make()`` on rank 0; the other ranks get ``send(its result)`` from it (one ``broadcast_object_list``), inside
+    a stage of :func:`agreement` (outside one, or without a process group: ``make()`` here).
+
+    Rank 0 makes first, then every rank calls :func:`check_peers`, then rank 0 broadcasts: a rank 0 that fails
+    while making meets the others in their check instead of leaving them in the broadcast.
+    """
+    stage = _stages[-1] if _stages else None
+    if stage is None or not stage.active:
+        return make()
+    import torch.distributed as dist
+
+    value = make() if rank() == 0 else None
+    check_peers()
+    box = [send(value) if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return value if rank() == 0 else box[0]
 
 
 @contextlib.contextmanager

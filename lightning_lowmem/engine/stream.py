@@ -15,6 +15,11 @@ A target that is a DTensor shard (``Target.shard``, its local part allocated by 
 filled in place: a block of rows read as stored goes straight into the local part (one ``read_rows``);
 any other shard (a cast, a quantized weight, a transform, another placement) reads the whole tensor
 as the one in flight, then copies this rank's part (quantized: ``Quantizer.load_shard``).
+
+Sharded, the stream runs inside a stage of ``ranks.agreement``: a rank that fails here goes straight to the
+agreement at the end of the stream, where the others meet it. A collective inside the stream (an all-reduce
+of a statistic every rank needs) must be preceded by ``ranks.check_peers()``, so that a rank that failed
+earlier meets the others there instead of leaving them in the collective.
 """
 
 from __future__ import annotations

@@ -142,6 +142,36 @@ class OpenedFile:
         self._checked_at = time.monotonic()  # when the file was last checked
         self._lock = threading.Lock()  # reopening is one thread's job
 
+    def __getstate__(self) -> dict:
+        """What another rank needs to read this file without parsing its headers again: everything but the
+        descriptor (:meth:`attach` opens its own)."""
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state.update(_descriptor=None, _mapped=None, _received=True)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def received(self) -> bool:
+        """Whether this reader came from another rank (its headers parsed there) and is not attached yet."""
+        return self.__dict__.get("_received", False)
+
+    def attach(self) -> None:
+        """Open this rank's own descriptor on a reader received from another rank, and check it is the file that
+        rank parsed: its size and modification time (device and inode differ between machines)."""
+        fd = open_regular(self.path)
+        now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
+            os.close(fd)
+            raise CheckpointFormatError(
+                f"{self.path} on this rank is not the file rank 0 read (size {self._stat.st_size} -> {now.st_size} "
+                "bytes, or modified at another time). Every rank must load the same file: copy it again, or wait "
+                "for whatever writes it to finish.")
+        self._descriptor, self._stat, self._received = fd, _identity(now), False
+
     @property
     def _fd(self) -> int:
         """The descriptor, reopened (and checked to be the same file) after :meth:`release`."""

@@ -18,9 +18,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.engine import opened
-from lightning_lowmem.engine.ranks import agreement
+from lightning_lowmem.engine.ranks import agreement, from_first_rank
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.checkpoint import headers_shared
 from lightning_lowmem.lightning.state import other_entries, restore_entries, weights_key
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 
@@ -59,7 +60,8 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
     # Every rank reads the other entries and streams its shards before the optimizer states are exchanged (a
     # collective): a rank failing here (a read error in the optimizer state) stops every rank here, not there.
     sharded = any(is_dtensor(p) for v in state.values() if isinstance(v, nn.Module) for p in v.parameters())
-    with agreement(sharded, "while reading the checkpoint"), opened(path) as ckpt:  # once: headers, entries, weights
+    with agreement(sharded, "while reading the checkpoint"), headers_shared(from_first_rank if sharded else None), \
+            opened(path) as ckpt:  # once: headers (parsed on rank 0), the other entries, then the weights
         rest = other_entries(ckpt, state, weights_only)
         key = weights_key(ckpt, state)
         _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)

@@ -169,3 +169,55 @@ def test_every_rank_stops_together_on_a_read_error_a_changed_file_and_a_damaged_
         assert flip["error"] == "CheckpointFormatError" and flip["on_meta"], flip
         assert "CRC-32" in flip["message"] and "read in parts by several ranks" in flip["message"]
         assert flip["message"] == ranks[0].values["flipped"]["message"]
+
+
+HEADERS = """
+import os
+import lightning_lowmem.formats.safetensors_file as safetensors_file
+from litgpt import GPT
+from lightning_lowmem import init_empty, load_checkpoint
+from lightning_lowmem.formats.zip_records import ZipRecords
+from lightning_lowmem.placement import shard_model
+
+parsed, lookups = [], []
+real_header, real_zip, real_stat = safetensors_file.read_header, ZipRecords.__init__, os.stat
+safetensors_file.read_header = lambda file: parsed.append(file.path.name) or real_header(file)
+ZipRecords.__init__ = lambda self, file: parsed.append(file.path.name) or real_zip(self, file)
+def counting_stat(path, *a, **k):
+    if str(path).endswith((".safetensors", ".pth")):
+        lookups.append(os.path.basename(path))
+    return real_stat(path, *a, **k)
+os.stat = counting_stat
+
+for name, path in args["paths"].items():
+    parsed.clear(), lookups.clear()
+    with init_empty():
+        model = shard_model(GPT(config()), mesh)
+    report = load_checkpoint(model, path, progress=False)
+    weight = model.transformer.h[1].mlp.fc.weight.to_local()
+    emit(**{name: dict(parsed=sorted(parsed), lookups=sorted(lookups), tensors=report.tensors,
+                       sum=weight.double().sum().item())})
+"""
+
+
+@pytest.mark.slow
+def test_headers_are_parsed_on_the_first_rank_only_and_paths_looked_up_per_file(
+        run_ranks, shard_config, tiny_gpt, write_checkpoint, tmp_path):
+    from litgpt import Config
+
+    state = tiny_gpt(Config(**shard_config)).state_dict()
+    paths = {"sharded": write_checkpoint(state, "sharded-safetensors", tmp_path / "sharded"),
+             "pth": write_checkpoint(state, "pth", tmp_path / "pth")}
+    ranks = run_ranks(HEADERS, dict(config=shard_config, paths={k: str(v) for k, v in paths.items()}), timeout=200)
+    for result in ranks:
+        assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
+    fc = torch.chunk(state["transformer.h.1.mlp.fc.weight"], 2)
+    for name, files in (("sharded", [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]),
+                        ("pth", ["lit_model.pth"])):
+        first, second = ranks[0].values[name], ranks[1].values[name]
+        assert first["parsed"] == files and second["parsed"] == []  # rank 1 got them from rank 0
+        assert first["tensors"] == second["tensors"] == len(state)
+        for rank, got in enumerate((first, second)):
+            assert got["sum"] == pytest.approx(fc[rank].double().sum().item(), rel=1e-12)
+            # finding the path (exists, is_dir, ...) and once after the last read: per file, not per tensor
+            assert all(got["lookups"].count(f) <= 6 < len(state) for f in files), got["lookups"]
