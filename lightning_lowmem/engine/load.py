@@ -274,7 +274,7 @@ def _watched(options: LoadOptions) -> torch.device | None:
 
 
 def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None,
-                    keep_dtype: set[str] = frozenset()) -> None:
+                    keep_dtype: set[str] | frozenset[str] = frozenset()) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
