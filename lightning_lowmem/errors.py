@@ -26,6 +26,11 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path, or a file it refers to, does not exist."""
 
 
+class CheckpointReadError(CheckpointError, OSError):
+    """A checkpoint file could not be opened or read: no permission, an I/O error from the disk or the network
+    filesystem. ``errno`` is the system's error number (None when it came from another rank)."""
+
+
 class AmbiguousCheckpointError(CheckpointError):
     """A path stands for two different sets of weights (a directory holding ``lit_model.pth`` and a
     ``model.safetensors`` that differ); nothing is read until one is picked."""

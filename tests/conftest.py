@@ -62,7 +62,8 @@ def tiny_gpt():
     """``tiny_gpt(config, dtype=torch.float32, seed=0, std=None)``: litgpt's ``GPT`` built for real, in eval mode.
 
     ``std``: re-draw every parameter from N(0, std) (larger weights than litgpt's init, so greedy tokens
-    vary); None keeps litgpt's own init.
+    vary); None keeps litgpt's own init. Its RoPE tables are built again after the conversion to ``dtype``, in the
+    dtype litgpt gives them (float32), as Lightning does after its precision plugin converts a model.
     """
     def make(config, dtype: torch.dtype = torch.float32, seed: int = 0, std: float | None = None) -> nn.Module:
         from litgpt import GPT
@@ -73,7 +74,9 @@ def tiny_gpt():
             with torch.no_grad():
                 for p in model.parameters():
                     p.normal_(0, std)
-        return model.to(dtype).eval()
+        model = model.to(dtype)
+        model.reset_parameters()  # litgpt's own: RoPE tables from rope_cache(), float32
+        return model.eval()
 
     return make
 
@@ -124,12 +127,15 @@ def lora_key_map():
 @pytest.fixture(scope="session")
 def eager_gpt():
     """``eager_gpt(reference, dtype)``: what users do without this library: a real GPT built in ``dtype`` and
-    ``load_state_dict`` of ``reference``'s weights, in eval mode."""
+    ``load_state_dict`` of ``reference``'s weights, in eval mode. Its RoPE tables are built again by litgpt's own
+    ``reset_parameters()`` after the conversion, in the dtype litgpt gives them (float32), as Lightning does after
+    its precision plugin converts a model."""
     def build(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
         from litgpt import GPT
 
         model = GPT(reference.config).to(dtype)
         model.load_state_dict(reference.state_dict())
+        model.reset_parameters()
         return model.eval()
 
     return build

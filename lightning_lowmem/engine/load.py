@@ -29,7 +29,7 @@ from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
 from lightning_lowmem.engine.weight_sets import Chosen
-from lightning_lowmem.engine.ranks import agreement, rank
+from lightning_lowmem.engine.ranks import agreement, from_first_rank, rank
 from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
 from lightning_lowmem.engine.shard_checks import check_sharded
@@ -37,6 +37,8 @@ from lightning_lowmem.engine.route import Traits
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.engine.whole_reads import whole_reads
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.checkpoint import headers_shared
+from lightning_lowmem.formats.crc_pieces import check_unchecked
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
@@ -161,15 +163,19 @@ def load_prepared(prepared: PreparedLoad, monitor: MemoryMonitor | None = None) 
 
 def _load_whole_or_not_at_all(module: nn.Module,
                               prepare: Callable[[], tuple[PreparedLoad, Checkpoint]]) -> LoadReport:
-    """``prepare`` and check the load (with DTensor parameters, every rank raises if any rank failed, before any
-    read), then stream it; on any error the module is put back as it was (:class:`~lightning_lowmem.meta.Snapshot`):
-    never a half-loaded model that looks loaded."""
+    """``prepare`` and check the load, then stream it; on any error the module is put back as it was
+    (:class:`~lightning_lowmem.meta.Snapshot`): never a half-loaded model that looks loaded.
+
+    With DTensor parameters each stage ends with the ranks agreeing (``ranks.py``): every rank raises if any rank
+    failed before reading, and again if any failed while reading (a read error, a changed file, a damaged tensor).
+    """
     snapshot = Snapshot(module)
+    sharded = bool(sharded_parameters(module))
     try:
-        with agreement(bool(sharded_parameters(module))):
+        with agreement(sharded), headers_shared(from_first_rank if sharded else None):  # rank 0 parses headers
             prepared, ckpt = prepare()
             architecture = _check_before_reading(prepared)
-        return _load(prepared, ckpt, architecture)
+        return _load(prepared, ckpt, architecture, sharded)
     except BaseException:
         snapshot.restore()
         raise
@@ -184,18 +190,26 @@ def _check_before_reading(prepared: PreparedLoad) -> Architecture:
     return architecture
 
 
-def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture) -> LoadReport:
-    module, plan, device = prepared.module, prepared.plan, prepared.device
-    apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
-    quantizer = prepare_quantization(module, prepared.selection, plan, device) if prepared.selection else None
-    report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
-                        key_note=plan.prefix_note, placement=prepared.placement, rank=rank(),
-                        source=prepared.source.why, conversion=_conversion_name(prepared))
-    allocation = allocate_shards(module, prepared.options.device)  # this rank's parts of meta DTensors, unfilled
+def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, sharded: bool) -> LoadReport:
+    """Stream the prepared load. Sharded, the ranks then agree that every rank read its part, and check together
+    the CRC-32s of torch records each rank read only part of (``formats/crc_pieces.py``)."""
+    module, plan = prepared.module, prepared.plan
+    allocation = None
     try:
-        _fill(prepared, ckpt, architecture, quantizer, report)
+        with agreement(sharded, "while reading its shard", share=True) as agreed:
+            apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
+            quantizer = prepare_quantization(module, prepared.selection, plan, prepared.device) \
+                if prepared.selection else None
+            report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
+                                key_note=plan.prefix_note, placement=prepared.placement, rank=rank(),
+                                source=prepared.source.why, conversion=_conversion_name(prepared))
+            allocation = allocate_shards(module, prepared.options.device)  # this rank's parts of meta DTensors
+            _fill(prepared, ckpt, architecture, quantizer, report)
+            agreed.share = ckpt.unchecked() if sharded else None
+        check_unchecked(agreed.shared)  # the same pieces on every rank: the same outcome on every rank
     except BaseException:
-        allocation.undo()
+        if allocation is not None:
+            allocation.undo()
         raise
     return report
 
@@ -204,7 +218,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
           report: LoadReport) -> None:
     """Stream the plan into the module, rebuild and place its buffers, check it, and fill ``report``."""
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
-    architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    released = architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
     if report.read_whole:
         log.info("This rank reads %d sharded tensors whole and keeps its part: %s", len(report.read_whole),
@@ -214,7 +228,8 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
-    _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)
+    _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype,
+                    keep_dtype=set(released))
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
     report.shard_bytes = shard_nbytes(module)
     check_no_meta(module, f"After loading {plan.files}")
@@ -267,18 +282,21 @@ def _watched(options: LoadOptions) -> torch.device | None:
     return options.device
 
 
-def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None,
+                    keep_dtype: set[str] | frozenset[str] = frozenset()) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
+    (:func:`~lightning_lowmem.dtypes.supports_bf16`). Those named in ``keep_dtype`` (what the architecture released,
+    rebuilt by the model's own code when used: litgpt's RoPE tables) keep their dtype: the model's code chose it.
     """
-    for mod in module.modules():
+    for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
             if buf is None or buf.is_meta:
                 continue
             where = device or buf.device
-            cast = dtype if dtype is not None and buf.is_floating_point() else buf.dtype
+            own = f"{prefix}.{name}" if prefix else name
+            cast = dtype if dtype is not None and buf.is_floating_point() and own not in keep_dtype else buf.dtype
             if cast == torch.bfloat16 and not supports_bf16(where):
                 cast = torch.float16
             mod._buffers[name] = buf.to(device=where, dtype=cast)

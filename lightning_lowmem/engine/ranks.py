@@ -1,21 +1,41 @@
-"""Many ranks loading one checkpoint: which rank this is, and every rank failing together before any read.
+"""Many ranks loading one checkpoint: which rank this is, and every rank failing together, at any stage.
 
-Each rank plans its load from the same headers, so a checkpoint that does not fit the model
-fails on every rank alike. A failure on some ranks only (a file missing on one node, a rank
-built with another config) must still stop all of them: a rank that went on would wait forever
-in the model's first collective. :func:`agreement` has the ranks exchange, before any weight is
-read, whether their plan succeeded (one ``all_gather_object`` on the default process group);
-then every rank raises, its own error or the first failing rank's, of the same type.
+Each rank plans its load from the same headers, so a checkpoint that does not fit the model fails on every
+rank alike. A failure on some ranks only (a file missing on one node, a read error on one disk, a file
+changed under one rank, a damaged tensor one rank reads) must still stop all of them: a rank that went on
+would wait forever in the model's first collective. Each stage of a sharded load runs inside
+:func:`agreement`; when the stage ends, on every rank, the ranks exchange whether it succeeded:
+
+* one small all-reduce (``MAX`` of one integer: did any rank fail?), then
+* when one did, or when the stage shares something (a rank's CRC-32s of what it read), one
+  ``all_gather_object`` of each rank's outcome and share.
+
+Then every rank raises the same error: the same type (a ``LowMemError`` subclass, or ``ValueError``,
+``TypeError`` or ``KeyError`` for bad arguments; ``LowMemError`` for anything else) and the same message, naming the first failing rank and
+its own message; the failing rank's error is chained to its own exception. No timeout is involved: a rank
+that fails goes straight to the exchange, which the others reach when their stage ends.
+
+A collective *inside* a stage (an all-reduce while streaming) must be preceded by :func:`check_peers`: the
+same one-integer all-reduce, so that a rank that failed before that collective meets the others there
+instead of leaving them in it. After an agreed error, enclosing stages raise it as it is, with no exchange
+of their own (every rank raised it at the same point).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 from lightning_lowmem import errors
 from lightning_lowmem.errors import LowMemError
+
+_ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
+"""Built-in errors (bad arguments: Lightning's strict key check raises ``KeyError``) raised as they are on every
+rank; any other error not ours becomes a ``LowMemError``."""
+_AGREED = "_lowmem_agreed"
+"""Set on an error every rank raised at the same point (an enclosing stage raises it as it is)."""
 
 
 def _distributed() -> bool:
@@ -33,45 +53,147 @@ def rank() -> int:
     return dist.get_rank()
 
 
+class _Outcome(NamedTuple):
+    """What a failed rank tells the others: its rank, its error's type name and message, its stage."""
+
+    rank: int
+    kind: str
+    message: str
+    stage: str
+
+
+class PeerFailedError(LowMemError):
+    """Raised by :func:`check_peers` inside a stage when another rank failed: the stage's :func:`agreement`
+    replaces it with the failing rank's error."""
+
+
+class Agreement:
+    """One stage every rank runs: what this rank shares with the others (``share``), and, after the stage,
+    what each rank shared (``shared``, by rank; ``[share]`` without a process group).
+
+    Args:
+        stage: what the ranks were doing, for messages ("while reading its shard").
+        active: whether the ranks take part.
+        share: whether the ranks gather their shares when the stage ends.
+    """
+
+    def __init__(self, stage: str, active: bool, share: bool = False) -> None:
+        self.stage, self.active, self.shares = stage, active, share
+        self.share: Any = None
+        self.shared: list[Any] = []
+        self._heard = False  # check_peers already heard of a failure: the status exchange is done
+
+    def any_failed(self, failed: bool) -> bool:
+        """One all-reduce of one integer: whether any rank (this one if ``failed``) failed."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(failed)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+_stages: list[Agreement] = []  # the stages this process is in, innermost last
+
+
+def check_peers() -> None:
+    """Call immediately before a collective inside a stage of :func:`agreement` (an all-reduce while streaming).
+
+    Raises:
+        PeerFailedError: another rank failed before reaching this point; the stage's agreement then raises
+            that rank's error on every rank. Without an active stage, nothing is exchanged.
+    """
+    stage = _stages[-1] if _stages else None
+    if stage is None or not stage.active:
+        return
+    if stage.any_failed(False):
+        stage._heard = True
+        raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+
+
+def from_first_rank(make: Callable[[], Any], send: Callable[[Any], Any] = lambda value: value) -> Any:
+    """``make()`` on rank 0; the other ranks get ``send(its result)`` from it (one ``broadcast_object_list``), inside
+    a stage of :func:`agreement` (outside one, or without a process group: ``make()`` here).
+
+    Rank 0 makes first, then every rank calls :func:`check_peers`, then rank 0 broadcasts: a rank 0 that fails
+    while making meets the others in their check instead of leaving them in the broadcast.
+    """
+    stage = _stages[-1] if _stages else None
+    if stage is None or not stage.active:
+        return make()
+    import torch.distributed as dist
+
+    value = make() if rank() == 0 else None
+    check_peers()
+    box = [send(value) if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return value if rank() == 0 else box[0]
+
+
 @contextlib.contextmanager
-def agreement(active: bool) -> Iterator[None]:
+def agreement(active: bool, stage: str = "before reading its shard", share: bool = False) -> Iterator[Agreement]:
     """Run the block on every rank, then raise on every rank if it raised on any.
 
     Args:
         active: whether the ranks take part (a sharded module in a process group); False runs the
             block as it is.
+        stage: what the ranks were doing, for messages.
+        share: gather what each rank put in ``Agreement.share`` into ``Agreement.shared`` (every rank
+            must pass the same value).
 
     Raises:
-        the block's own exception on the ranks where it raised; on the others, one of the same type
-        (a ``LowMemError`` subclass, ``ValueError`` or ``TypeError``; ``LowMemError`` otherwise)
-        naming the first failing rank and its message.
+        on every rank, an error of the first failing rank's type (a ``LowMemError`` subclass,
+        or a built-in error for bad arguments; ``LowMemError`` otherwise) naming that rank and its message.
     """
-    if not (active and _distributed()):
-        yield
+    agreed = Agreement(stage, active and _distributed(), share)
+    if not agreed.active:
+        yield agreed
+        agreed.shared = [agreed.share]
         return
-    import torch.distributed as dist
-
     error: Exception | None = None
+    _stages.append(agreed)
     try:
-        yield
+        yield agreed
     except Exception as e:  # noqa: BLE001  (every rank must hear of it before it is raised)
         error = e
-    outcomes: list[tuple[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, None if error is None else (type(error).__name__, str(error)))
-    if error is not None:
-        raise error
-    failed = [(r, outcome) for r, outcome in enumerate(outcomes) if outcome is not None]
-    if failed:
-        first, (kind, message) = failed[0]
-        raise _error(kind, f"Rank {first} of {len(outcomes)} failed before reading its shard, so no rank read "
-                           f"anything ({len(failed)} ranks failed): {message}")
+    finally:
+        _stages.pop()
+    if error is not None and getattr(error, _AGREED, False):
+        raise error  # every rank raised it at the same point: nothing more to exchange
+    _exchange(agreed, error)
+
+
+def _exchange(agreed: Agreement, error: Exception | None) -> None:
+    """The stage's end on this rank: whether any rank failed, then (when one did, or to share) each rank's outcome."""
+    import torch.distributed as dist
+
+    failed = agreed._heard or agreed.any_failed(error is not None)
+    if not (failed or agreed.shares):
+        return
+    own = None if error is None or isinstance(error, PeerFailedError) else _Outcome(
+        rank(), type(error).__name__, str(error), agreed.stage)
+    gathered: list[tuple[_Outcome | None, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (own, agreed.share))
+    agreed.shared = [share for _, share in gathered]
+    outcomes = [outcome for outcome, _ in gathered if outcome is not None]
+    if outcomes:
+        raise _agreed_error(outcomes, len(gathered)) from error
+
+
+def _agreed_error(outcomes: list[_Outcome], world: int) -> Exception:
+    """The error every rank raises: the first failing rank's type, naming it, its stage and its message."""
+    first = outcomes[0]
+    when = "so no rank read anything" if first.stage == "before reading its shard" else "so every rank stopped"
+    more = f" ({len(outcomes)} ranks failed)" if len(outcomes) > 1 else ""
+    error = _error(first.kind, f"Rank {first.rank} of {world} failed {first.stage}, {when}{more}: {first.message}")
+    setattr(error, _AGREED, True)
+    return error
 
 
 def _error(kind: str, message: str) -> Exception:
-    """An exception of the class named ``kind`` (one of ours, or ``ValueError``/``TypeError``)."""
-    cls = getattr(errors, kind, None) or (getattr(builtins, kind, None) if kind in ("ValueError", "TypeError")
-                                           else None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
+    """An exception of the class named ``kind`` (one of ours, or a built-in error for bad arguments)."""
+    cls = getattr(errors, kind, None) or (getattr(builtins, kind, None) if kind in _ARGUMENT_ERRORS else None)
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls is not PeerFailedError:
         try:
             return cls(message)
         except TypeError:  # an error with required keywords (MemoryBudgetError)

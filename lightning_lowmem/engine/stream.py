@@ -17,6 +17,11 @@ a weight whose scheme quantizes a rank's own rows (``torchao.nf4``) reads its ro
 the whole weight's sums agreed across the ranks (``shard_sums.py``) and copies the result in; any other
 shard (a transform, another placement) reads the whole tensor as the one in flight, then copies this
 rank's part (quantized: ``Quantizer.load_shard``).
+
+Sharded, the stream runs inside a stage of ``ranks.agreement``: a rank that fails here goes straight to the
+agreement at the end of the stream, where the others meet it. A collective inside the stream (the
+all-reduce of a weight's NF4 sums) must be preceded by ``ranks.check_peers()``, so that a rank that failed
+earlier meets the others there instead of leaving them in the collective.
 """
 
 from __future__ import annotations
@@ -80,9 +85,6 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
                 tensors += len(target.parts) or 1
                 nbytes += route.read_nbytes
                 bar.update(target.read_nbytes)
-    except BaseException as e:
-        sums.abandon(e)  # the other ranks wait in this rank's next all-reduce: they raise there instead
-        raise
     finally:
         bar.close()
     return tensors, nbytes, mapped

@@ -11,16 +11,18 @@ again, so any number of shards loads under the default limit of 1024 descriptors
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.formats.crc_pieces import Unchecked
 from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
 from lightning_lowmem.formats.files import open_regular
 from lightning_lowmem.formats.gguf_file import GGUFFile
@@ -74,6 +76,50 @@ def _open_shard(path: Path) -> CheckpointFile:
         raise
 
 
+Share = Callable[[Callable[[], Any], Callable[[Any], Any]], Any]
+"""``share(make, send)``: ``make()`` on the first rank, ``send(its result)`` given to the others (engine/ranks.py)."""
+_SHARE: contextvars.ContextVar[Share | None] = contextvars.ContextVar("lowmem_share_headers", default=None)
+
+
+@contextlib.contextmanager
+def headers_shared(share: Share | None) -> Iterator[None]:
+    """Within the block, :meth:`Checkpoint.open` parses headers on the first rank only and ``share`` s the parsed
+    readers with the others, which open their own descriptors on the same files (checked to be the same size and
+    modification time). Every rank must open the same paths in the same order. None: each rank parses its own."""
+    token = _SHARE.set(share)
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
+def _shared_open(path: str | Path) -> list[CheckpointFile]:
+    """:func:`_open_files`, or, inside :func:`headers_shared`, the first rank's readers when this rank asked for the
+    same path (GGUF files, or another path: this rank's own)."""
+    share = _SHARE.get()
+    if share is None:
+        return _open_files(path)
+    asked = str(Path(path).expanduser().absolute())
+    got = share(lambda: _open_files(path),
+                lambda opened: None if any(isinstance(f, GGUFFile) for f in opened) else (asked, opened))
+    if isinstance(got, list):
+        return got  # the first rank's own
+    if got is None or got[0] != asked:  # GGUF, or this rank asked for another path: its own headers
+        return _open_files(path)
+    files = got[1]
+    try:
+        for f in files:
+            if f.received:
+                f.attach()
+                if len(files) > MAX_OPEN_FILES:
+                    f.release()
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return files
+
+
 class Checkpoint:
     """An opened checkpoint: every tensor record of every file, read one at a time.
 
@@ -107,9 +153,10 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
-        """Open ``path``: a file, a ``*.index.json`` or a directory. Reads headers only."""
+        """Open ``path``: a file, a ``*.index.json`` or a directory. Reads headers only (inside
+        :func:`headers_shared`: on the first rank, the others getting them from it)."""
         with collector_paused():  # a record or two per tensor: a million of them
-            files = _open_files(path)
+            files = _shared_open(path)
             try:
                 return cls(files)
             except BaseException:
@@ -167,6 +214,12 @@ class Checkpoint:
         """Raise :class:`CheckpointFormatError` when a file changed since it was opened."""
         for f in self.files:
             f.check_unchanged()
+
+    def unchecked(self) -> list[Unchecked]:
+        """What was read of torch files' records in parts that did not cover them (this rank's rows), so their
+        CRC-32s are not checked yet: for the ranks to check together
+        (:func:`~lightning_lowmem.formats.crc_pieces.check_unchecked`). Empty for other formats."""
+        return [record for f in self.files if isinstance(f, TorchZipFile) for record in f.unchecked()]
 
     def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Read tensor ``key`` into a new tensor, or into ``out`` (contiguous, of its shape and dtype) when given.

@@ -2,11 +2,14 @@
 
 Every reader (``safetensors_file.py``, ``torch_zip.py``, ``gguf_file.py``) is an :class:`OpenedFile`: the
 file is opened (a FIFO or a device is refused before anything waits on it) and its identity noted:
-device, inode, size and modification time. Reads check them again (the descriptor's size and
-modification time, and whether the path still names that file: a download tool renames a new file
-over it): every read of 1 MiB or more, smaller ones at least every 50 ms, and a load checks every file
-once more after its last read. A file rewritten or replaced during a load is therefore an error, and
-the module is put back as it was: never a mix of old and new bytes.
+device, inode, size and modification time. Reads check the descriptor's size and modification time
+again (``fstat``: every read of 1 MiB or more, smaller ones at least every 50 ms), and a load checks
+every file once more after its last read, then also whether the path still names that file (a
+download tool renames a new file over it; the descriptor still reads the old one whole). A file
+rewritten or replaced during a load is therefore an error, and the module is put back as it was:
+never a mix of old and new bytes. The path itself is looked up (``stat``) once per file when it is
+opened and once when the load ends, not per read: on a shared filesystem a lookup per tensor per rank
+is thousands of requests to its metadata server.
 
 A checkpoint of many files (an index of 10,000 shards) holds only a few descriptors at a time: a file
 may be :meth:`~OpenedFile.release` d and is reopened when next read, the reopened file checked to be the
@@ -28,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_lowmem.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError
+from lightning_lowmem.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, CheckpointReadError
 
 CHECK_SECONDS = 0.05
 """How often, at least, small reads check that the file did not change (two system calls: 100,000 scalar
@@ -55,7 +58,7 @@ def open_regular(path: Path) -> int:
         raise CheckpointFormatError(f"{path} is a directory where a checkpoint file was expected.") from e
     except OSError as e:
         if e.errno not in (errno.EMFILE, errno.ENFILE):
-            raise
+            raise read_error(path, "open", e) from e
         raise CheckpointError(f"Cannot open {path}: this process has too many files open ({e.strerror}). Close "
                               "some, or raise the limit (ulimit -n).") from e
     try:
@@ -69,6 +72,13 @@ def open_regular(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def read_error(path: Path, action: str, error: OSError) -> CheckpointReadError:
+    """A system error opening or reading ``path`` as one of ours, with its ``errno`` and what to do."""
+    return CheckpointReadError(
+        error.errno, f"Cannot {action} checkpoint file {str(path)!r}: {error.strerror or error}. Check that this "
+        "process may read it and that the disk or network filesystem holding it works, then load it again.")
 
 
 def _kind(mode: int) -> str:
@@ -91,7 +101,10 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(buffer):
-        n = os.preadv(fd, [buffer[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [buffer[done:]], offset + done)
+        except OSError as e:
+            raise read_error(path, f"read {len(buffer) - done} bytes at offset {offset + done} of", e) from e
         if n == 0:
             raise CheckpointFormatError(
                 f"{path} ends at byte {offset + done}, but a tensor needs {len(buffer) - done} more bytes there. "
@@ -128,6 +141,36 @@ class OpenedFile:
         self._mapped: torch.Tensor | None = None
         self._checked_at = time.monotonic()  # when the file was last checked
         self._lock = threading.Lock()  # reopening is one thread's job
+
+    def __getstate__(self) -> dict:
+        """What another rank needs to read this file without parsing its headers again: everything but the
+        descriptor (:meth:`attach` opens its own)."""
+        state = dict(self.__dict__)
+        del state["_lock"]
+        state.update(_descriptor=None, _mapped=None, _received=True)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @property
+    def received(self) -> bool:
+        """Whether this reader came from another rank (its headers parsed there) and is not attached yet."""
+        return self.__dict__.get("_received", False)
+
+    def attach(self) -> None:
+        """Open this rank's own descriptor on a reader received from another rank, and check it is the file that
+        rank parsed: its size and modification time (device and inode differ between machines)."""
+        fd = open_regular(self.path)
+        now = os.fstat(fd)
+        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
+            os.close(fd)
+            raise CheckpointFormatError(
+                f"{self.path} on this rank is not the file rank 0 read (size {self._stat.st_size} -> {now.st_size} "
+                "bytes, or modified at another time). Every rank must load the same file: copy it again, or wait "
+                "for whatever writes it to finish.")
+        self._descriptor, self._stat, self._received = fd, _identity(now), False
 
     @property
     def _fd(self) -> int:
@@ -174,7 +217,7 @@ class OpenedFile:
         self._check_span(offset, nbytes)
         if offset % dtype.itemsize:
             return None
-        self.check_unchanged()
+        self._check_descriptor()
         if self._mapped is None:
             mapping = mmap.mmap(self._fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._mapped = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
@@ -187,10 +230,7 @@ class OpenedFile:
     def check_unchanged(self) -> None:
         """Raise :class:`CheckpointFormatError` when the file was rewritten, resized or replaced since it was opened:
         the descriptor's size and modification time, and whether the path still names this file."""
-        self._checked_at = time.monotonic()
-        now = os.fstat(self._descriptor) if self._descriptor is not None else None
-        if now is not None and (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
-            raise self._changed(f"changed (size {self._stat.st_size} -> {now.st_size} bytes, modified again)")
+        self._check_descriptor()
         try:
             named_stat = os.stat(self.path)
         except FileNotFoundError:
@@ -200,16 +240,24 @@ class OpenedFile:
         if _identity(named_stat) != self._stat:
             raise self._changed(f"changed (size {self._stat.st_size} -> {named_stat.st_size} bytes, modified again)")
 
+    def _check_descriptor(self) -> None:
+        """Raise :class:`CheckpointFormatError` when the open file's size or modification time changed (an
+        ``fstat`` of the descriptor: no lookup of the path)."""
+        self._checked_at = time.monotonic()
+        now = os.fstat(self._descriptor) if self._descriptor is not None else None
+        if now is not None and (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
+            raise self._changed(f"changed (size {self._stat.st_size} -> {now.st_size} bytes, modified again)")
+
     def _changed(self, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(
             f"{self.path} {what} while it was being loaded; the weights read so far were put back on meta. "
             "Load it again once nothing writes to it.")
 
     def read_into(self, out: torch.Tensor, offset: int) -> torch.Tensor:
-        """``out`` filled with the file's bytes from ``offset``, after checking the file did not change (a read of
-        1 MiB or more; smaller ones at least every 50 ms)."""
+        """``out`` filled with the file's bytes from ``offset``, after checking the open file did not change (a read
+        of 1 MiB or more; smaller ones at least every 50 ms)."""
         if out.nbytes >= CHECK_BYTES or time.monotonic() - self._checked_at >= CHECK_SECONDS:
-            self.check_unchanged()
+            self._check_descriptor()
         self._check_span(offset, out.nbytes)
         if out.numel():
             try:
@@ -222,7 +270,10 @@ class OpenedFile:
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file)."""
         self._check_span(offset, min(size, max(0, self.size - offset)))
-        return os.pread(self._fd, size, offset)
+        try:
+            return os.pread(self._fd, size, offset)
+        except OSError as e:
+            raise read_error(self.path, f"read {size} bytes at offset {offset} of", e) from e
 
     def _check_span(self, offset: int, size: int) -> None:
         if offset < 0 or size < 0 or offset + size > self.size:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_lowmem.errors import CheckpointFormatError
+from lightning_lowmem.errors import CheckpointFormatError, CheckpointReadError
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.gguf_header import HeaderLayout, TensorInfo, import_gguf, walk_header
 from lightning_lowmem.formats.records import TensorRecord, row_span
@@ -142,6 +142,8 @@ class GGUFFile(OpenedFile):
             return self._dequantize(rec, offset, out)
         except CheckpointFormatError as e:
             raise CheckpointFormatError(f"Tensor {key!r}: {e}") from e  # e names the file and the offset
+        except CheckpointReadError as e:  # the system's error (EIO, EACCES), already ours
+            raise CheckpointReadError(e.errno, f"Tensor {key!r}: {e.strerror}") from e
         except (OSError, ValueError) as e:
             raise CheckpointFormatError(
                 f"{self.path}: could not read tensor {key!r} ({rec.encoding or rec.dtype}, {type(e).__name__}: {e}). "

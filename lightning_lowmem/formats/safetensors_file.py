@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_lowmem.errors import CheckpointFormatError
+from lightning_lowmem.errors import CheckpointFormatError, CheckpointReadError
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
 from lightning_lowmem.formats.safetensors_header import read_header
@@ -62,6 +62,8 @@ class SafetensorsFile(OpenedFile):
             self.read_into(out, self._offsets[key] + skip)
         except CheckpointFormatError as e:
             raise CheckpointFormatError(f"Tensor {key!r}: {e}") from e  # e names the file and the offset
+        except CheckpointReadError as e:  # the system's error (EIO, EACCES), already ours
+            raise CheckpointReadError(e.errno, f"Tensor {key!r}: {e.strerror}") from e
         except OSError as e:
             raise CheckpointFormatError(
                 f"{self.path}: could not read tensor {key!r} ({type(e).__name__}: {e}). "

@@ -34,6 +34,7 @@ from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, 
 from lightning_lowmem.formats.entry_tensor import EntryTensor
 from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
 from lightning_lowmem.formats.zip_records import RESAVE as _RESAVE
+from lightning_lowmem.formats.crc_pieces import Pieces, Unchecked
 from lightning_lowmem.formats.zip_records import ZipRecords, check_crc, crc_of
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class TorchZipFile(OpenedFile):
         self._refs: dict[str, StorageRef] = {}  # storage key -> what the pickle says of it
         self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
         self._crcs: dict[str, int] = {}  # storage key -> the CRC-32 its record's bytes are checked against
-        self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
+        self._pieces: dict[str, Pieces] = {}  # storage key -> the pieces of it read by rows, not checked yet
         self._mapped_storages: set[str] | None = None  # storages a tensor was mapped from (made when mapped)
         self._zip = ZipRecords(self)
         self._prefix = self._archive_prefix()
@@ -285,24 +286,29 @@ class TorchZipFile(OpenedFile):
         skip, shape = row_span(rec, start, stop)
         out = torch.empty(shape, dtype=rec.dtype, device="cpu") if out is None else out
         self.read_into(out, loc.offset + loc.ref.offset * rec.dtype.itemsize + skip)
-        self._check_rows_crc(key, loc, start, stop, out)
+        self._check_rows_crc(key, loc, skip, out)
         return out
 
     def _check_crc(self, storage_key: str, crc: int, what: str) -> None:
         check_crc(self.path, f"{self._prefix}data/{storage_key}", self._crcs[storage_key], crc, what)
 
-    def _check_rows_crc(self, key: str, loc: _Location, start: int, stop: int, rows: torch.Tensor) -> None:
-        """Blocks of rows read in order, from the first to the last, are checked against the record's CRC-32."""
-        if loc.ref.offset != 0 or math.prod(loc.ref.shape) * loc.ref.dtype.itemsize != loc.ref.storage.nbytes:
+    def _check_rows_crc(self, key: str, loc: _Location, skip: int, rows: torch.Tensor) -> None:
+        """Blocks of rows (``rows``, from byte ``skip``) are kept as pieces of their record (``crc_pieces.py``); once
+        the pieces cover it, in any order, the record's CRC-32 is checked. Pieces that never do (the rows of one
+        rank) wait for :meth:`unchecked`."""
+        ref = loc.ref
+        if ref.offset != 0 or math.prod(ref.shape) * ref.dtype.itemsize != ref.storage.nbytes:
             return  # a view of part of its storage: its CRC covers bytes it does not read
-        expected, crc = self._rows_crc.pop(key, (0, 0))
-        if start != expected:
-            return  # out of order: not checked
-        crc = crc_of(rows, crc)
-        if stop < loc.ref.shape[0]:
-            self._rows_crc[key] = (stop, crc)
-        else:
-            self._check_crc(loc.ref.storage.key, crc, key)
+        pieces = self._pieces.setdefault(ref.storage.key, Pieces(ref.storage.nbytes, self._crcs[ref.storage.key]))
+        if pieces.add(skip, rows.nbytes, lambda crc: crc_of(rows, crc)):
+            del self._pieces[ref.storage.key]
+            self._check_crc(ref.storage.key, pieces.crc(), key)
+
+    def unchecked(self) -> list[Unchecked]:
+        """The records read in blocks of rows that did not cover them (a rank's own rows): their pieces, for the
+        ranks to check together (:func:`~lightning_lowmem.formats.crc_pieces.check_unchecked`)."""
+        return [Unchecked(str(self.path), f"{self._prefix}data/{storage}", pieces.expected, pieces.nbytes,
+                          tuple(pieces.pieces)) for storage, pieces in self._pieces.items()]
 
     def other_entries(self, unread: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[str]]:
         """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from lightning_lowmem.errors import CheckpointFormatError
+from lightning_lowmem.formats.crc_pieces import mismatch
 from lightning_lowmem.formats.discovery import ZIP_MAGIC
 from lightning_lowmem.formats.files import OpenedFile
 
@@ -101,6 +102,4 @@ def crc_of(tensor: torch.Tensor, crc: int = 0) -> int:
 def check_crc(path: object, name: str, expected: int, crc: int, what: str) -> None:
     """Raise :class:`CheckpointFormatError` when the CRC-32 ``crc`` of record ``name``'s bytes is not ``expected``."""
     if crc != expected:
-        raise CheckpointFormatError(
-            f"{path}: {what or name!r}: the bytes of record {name!r} do not match the CRC-32 its zip directory "
-            f"records ({crc:#010x}, expected {expected:#010x}). The file is damaged: download or save it again.")
+        raise mismatch(path, name, expected, crc, what)

@@ -38,7 +38,7 @@ from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
 from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
-from lightning_lowmem.placement import shard_model
+from lightning_lowmem.placement import architecture_of, shard_model
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 
@@ -131,6 +131,9 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
         module = self._parallelize_fn(module, self.device_mesh)
         if not isinstance(module, nn.Module):
             raise TypeError(f"The `parallelize_fn` must return a `nn.Module` instance, but got: {type(module).__name__}")
+        # Lightning's precision plugin converted every floating buffer (bf16-true: RoPE tables to bf16); those the
+        # model rebuilds when used are released, and rebuilt in the dtype its own code gives them (float32 RoPE).
+        architecture_of(module).before_load(module, self.root_device)
         allocation = allocate_shards(module, self.root_device)  # this rank's shards: memory, no init
         if allocation.names:
             guard_unfilled(module, allocation.names, _META_ADVICE)

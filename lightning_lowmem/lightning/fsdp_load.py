@@ -18,10 +18,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.engine import opened
+from lightning_lowmem.engine.ranks import agreement, from_first_rank
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.formats.checkpoint import headers_shared
 from lightning_lowmem.lightning.optimizer_shards import load_optimizer_shards
 from lightning_lowmem.lightning.state import other_entries, restore_entries, weights_key
+from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 _UNFILLED = "_lowmem_unfilled"
 
@@ -59,10 +62,14 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
         strict, weights_only: as ``fabric.load``.
         stream: loads the checkpoint's weights into a module.
     """
+    # Every rank reads the other entries, streams its shards and reads its rows of the optimizer states inside one
+    # agreement: a rank failing anywhere here (a read error in the optimizer state) stops every rank together.
     has_model = any(isinstance(v, nn.Module) for v in state.values())
     optimizers = frozenset(k for k, v in state.items() if isinstance(v, Optimizer)) if has_model else frozenset()
-    with opened(path) as ckpt:  # once: headers, the other entries (optimizers' unread), the weights, the optimizers
-        rest = other_entries(ckpt, state, weights_only, unread=optimizers)
+    sharded = any(is_dtensor(p) for v in state.values() if isinstance(v, nn.Module) for p in v.parameters())
+    with agreement(sharded, "while reading the checkpoint"), headers_shared(from_first_rank if sharded else None), \
+            opened(path) as ckpt:  # once: headers (parsed on rank 0), the other entries (optimizers' unread), the
+        rest = other_entries(ckpt, state, weights_only, unread=optimizers)  # weights, then the optimizers' rows
         key = weights_key(ckpt, state)
         _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
         if key is not None:

@@ -69,8 +69,10 @@ class LitgptArchitecture(Architecture):
                 + b * config.n_head * t * t * 4 + b * t * vocab * 4)
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
-        """Drop the RoPE tables to zero rows: they are built when first used, at the length used."""
-        return release_all_rope(module, device)
+        """Drop the RoPE tables to zero rows: they are built when first used, at the length used, in the dtype
+        litgpt's own code gives them; returns their names (``transformer.cos``)."""
+        return [f"{name}.{table}" if name else table for name in release_all_rope(module, device)
+                for table in ("cos", "sin")]
 
     def fills(self, module: nn.Module) -> set[str]:
         """The RoPE tables (released before the load, so never left on meta), and what any module recomputes."""

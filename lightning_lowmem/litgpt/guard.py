@@ -5,7 +5,9 @@ litgpt's ``GPT`` answers a position past its KV cache with a bare
 :func:`install_cache_guard` adds a forward pre-hook to one model instance that
 
 * grows the RoPE tables to the length a forward needs (the KV cache's length,
-  or the sequence length without a cache) when they are shorter, and
+  or the sequence length without a cache) when they are shorter, and builds them
+  again in the dtype litgpt's own code gives them (float32) when a precision
+  plugin converted them since (Lightning's ``bf16-true``), and
 * raises :class:`KVCacheTooShortError`, with the lengths, for positions or a
   batch the KV cache cannot hold.
 
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.errors import KVCacheTooShortError
-from lightning_lowmem.litgpt.rope import drop_rope, is_litgpt_like, set_max_seq_length, set_rope
+from lightning_lowmem.litgpt.rope import drop_rope, is_litgpt_like, own_dtype, set_max_seq_length, set_rope
 
 
 def install_cache_guard(model: nn.Module) -> None:
@@ -62,9 +64,9 @@ def _guard(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 def _check_plain(model: nn.Module, length: int) -> None:
     """A forward without the KV cache: RoPE must cover ``length`` (litgpt raises past the block size)."""
-    if model.cos.size(0) >= length or length > model.config.block_size:
+    if (model.cos.size(0) >= length and model.cos.dtype == own_dtype(model)) or length > model.config.block_size:
         return
-    set_rope(model, length, model.cos.device, model.cos.dtype)
+    set_rope(model, max(length, model.cos.size(0)), model.cos.device)
     if length > model.max_seq_length:
         set_max_seq_length(model, length)
 
@@ -91,4 +93,4 @@ def _check_cached(model: nn.Module, batch: int, input_pos: torch.Tensor, maxp1: 
             needed=batch, available=cache.k.size(0),
         )
     if model.cos.size(0) < needed:
-        set_rope(model, capacity, model.cos.device, model.cos.dtype)
+        set_rope(model, capacity, model.cos.device)

@@ -1,9 +1,14 @@
-"""litgpt's RoPE tables: built when first needed, at the length asked for, in the model's dtype.
+"""litgpt's RoPE tables: built when first needed, at the length asked for, in the dtype litgpt's own code gives them.
 
 litgpt's ``GPT`` builds its RoPE tables for the whole context in ``__init__``
 (Llama-3.1-8B: 131072 x 128 x 2 fp32 = 128 MiB). Here they are dropped to zero
 rows after a load (:func:`drop_rope`) and built by litgpt's own ``rope_cache()``
 at the length a request needs (:func:`resize_rope`, :func:`set_rope`).
+
+Their dtype is the one ``rope_cache()`` gives them (:func:`own_dtype`: float32), whatever a precision
+plugin did to the model since: Lightning's ``bf16-true`` converts every floating buffer to bf16, and
+litgpt's own ``reset_parameters()`` (which Lightning calls after that conversion) builds them in float32
+again. Tables kept in bf16 give other logits (positions rounded to 8 bits of mantissa).
 """
 
 from __future__ import annotations
@@ -18,11 +23,21 @@ def is_litgpt_like(model: nn.Module) -> bool:
             and isinstance(getattr(model, "cos", None), torch.Tensor) and hasattr(model, "mask_cache"))
 
 
+def own_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype litgpt's own ``rope_cache()`` gives the model's RoPE tables (asked once, on the meta device)."""
+    dtype = model.__dict__.get("_lowmem_rope_dtype")
+    if dtype is None:
+        dtype = model.__dict__["_lowmem_rope_dtype"] = rope_tables(model, 1, torch.device("meta"))[0].dtype
+    return dtype
+
+
 def drop_rope(model: nn.Module, device: torch.device) -> None:
-    """Drop a litgpt model's RoPE tables to zero rows on ``device`` (the cache guard grows them back)."""
+    """Drop a litgpt model's RoPE tables to zero rows on ``device``, in their own dtype (the cache guard grows
+    them back)."""
+    dtype = own_dtype(model)
     for name in ("cos", "sin"):
         table = getattr(model, name)
-        setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=table.dtype, device=device))
+        setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=dtype, device=device))
 
 
 def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -50,11 +65,12 @@ def rope_tables(model: nn.Module, rows: int, device: torch.device) -> tuple[torc
         model._max_seq_length = saved
 
 
-def set_rope(model: nn.Module, rows: int, device: torch.device, dtype: torch.dtype) -> None:
-    """The model's RoPE tables at ``rows`` positions, computed outside inference mode (so training can use them)."""
+def set_rope(model: nn.Module, rows: int, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """The model's RoPE tables at ``rows`` positions, computed outside inference mode (so training can use them), in
+    ``dtype`` (None: the dtype litgpt's own code gives them)."""
     cos, sin = rope_tables(model, rows, device)
     with torch.inference_mode(False), torch.no_grad():
-        model.cos, model.sin = cos.to(dtype), sin.to(dtype)
+        model.cos, model.sin = (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
 
 
 def set_max_seq_length(model: nn.Module, length: int) -> None:

@@ -98,7 +98,8 @@ class Architecture:
         return widest
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
-        """Release buffers that are rebuilt when first used (none for a generic module); returns their names."""
+        """Release buffers that are rebuilt when first used (none for a generic module); returns their names. The load
+        leaves their dtype as it is: the model's own code chose it, not the load's ``dtype``."""
         return []
 
     def fills(self, module: nn.Module) -> set[str]:

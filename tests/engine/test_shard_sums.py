@@ -47,7 +47,7 @@ with torch.no_grad():
 emit(bytes_read=report.bytes_read, share=share, quantized=len(report.quantized), different=different,
      logits_equal=same)
 
-# a read error on rank 1 before the second block's qkv weight: rank 0 stops at that weight's all-reduce
+# a read error on rank 1 before the second block's qkv weight: rank 0 stops before that weight's all-reduce
 model = build(sharded=True)
 read = Reader.read
 def failing(self, rec, *a, **k):
@@ -86,6 +86,7 @@ def test_each_rank_reads_and_quantizes_only_its_rows(run_ranks, shard_config, nf
         assert got["different"] == [] and got["logits_equal"], result.rank
     assert sum(r.values["share"] for r in ranks) == sum(
         t.nbytes for t in torch.load(reference, weights_only=True).values())
-    assert ranks[1].values["failed"] == "OSError" or "Input/output error" in ranks[1].values["message"]
-    assert ranks[0].values["failed"] == "RankFailedError"
-    assert "transformer.h.1.attn.qkv.weight" in ranks[0].values["message"]
+    # both ranks raise the failing rank's error, naming it (rank 0 met it in the check before its all-reduce)
+    assert ranks[0].values["failed"] == ranks[1].values["failed"] == "LowMemError"  # a bare OSError, wrapped
+    assert ranks[0].values["message"] == ranks[1].values["message"]
+    assert "Rank 1" in ranks[0].values["message"] and "Input/output error" in ranks[0].values["message"]

@@ -75,7 +75,9 @@ def test_a_file_changed_during_the_load_is_caught_and_the_module_untouched(tmp_p
     expected = "changed" if how == "rewritten" else "was replaced by another file"
     with pytest.raises(CheckpointFormatError, match=rf"model\.safetensors {expected}"):
         load_checkpoint(model, path, transform=change_after_first, progress=False)
-    assert 1 <= len(seen) < len(litgpt_model.state_dict())
+    # Rewritten in place: caught at the next read. Renamed over: the descriptor still reads the first file whole;
+    # the path is looked up once when the load ends (not per read), and the load is refused there.
+    assert 1 <= len(seen) and (len(seen) < len(litgpt_model.state_dict()) or how == "replaced")
     assert all(t.is_meta for t in model.state_dict().values())
 
 
@@ -117,3 +119,29 @@ def test_a_file_renamed_over_the_path_right_after_the_open_is_read_through_one_d
     with pytest.raises(CheckpointFormatError, match=r"model\.safetensors was replaced by another file"):
         load_checkpoint(module, path)  # a load checks every file once more after its last read
     assert module.a.is_meta
+
+
+def test_the_path_is_looked_up_once_per_file_per_load_not_per_tensor(tmp_path, monkeypatch, write_checkpoint):
+    """On a shared filesystem each lookup is a request to its metadata server, from every rank: a lookup per tensor
+    was thousands per load. Reads check the open descriptor instead (``fstat``); the path is looked up when the
+    load ends."""
+    state = {f"layers.{i}.weight": torch.randn(512, 512) for i in range(24)}  # 1 MiB each: every read checks
+    index = write_checkpoint(state, "sharded-safetensors", tmp_path)  # 4 files of 6 tensors, as save_pretrained
+    files = sorted(tmp_path.glob("*.safetensors"))
+    module = torch.nn.Module()
+    with init_empty():
+        module.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(24))
+    lookups: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path, *args, **kwargs):
+        if str(path).endswith(".safetensors"):
+            lookups.append(os.path.basename(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    report = load_checkpoint(module, index, progress=False)
+    monkeypatch.undo()
+    assert report.tensors == 24 and torch.equal(module.layers[5].weight, state["layers.5.weight"])
+    per_file = {path.name: lookups.count(path.name) for path in files}
+    assert all(1 <= n <= 3 for n in per_file.values()), per_file  # finding the files, and once after the last read

@@ -118,9 +118,14 @@ def test_damaged_tensor_bytes_fail_their_crc(tmp_path):
         info = z.getinfo("src/data/0")
     data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 100] ^= 0x55
     (tmp_path / "flipped.pt").write_bytes(bytes(data))
-    for read in (lambda c: c.read("w"), lambda c: [c.read_rows("w", 0, 50), c.read_rows("w", 50, 100)]):
+    for read in (lambda c: c.read("w"), lambda c: [c.read_rows("w", 0, 50), c.read_rows("w", 50, 100)],
+                 lambda c: [c.read_rows("w", 60, 100), c.read_rows("w", 0, 30), c.read_rows("w", 30, 60)]):
         with Checkpoint.open(tmp_path / "flipped.pt") as ckpt, pytest.raises(CheckpointFormatError, match="CRC-32"):
             read(ckpt)
+    with Checkpoint.open(tmp_path / "src.pt") as ckpt:  # the intact file, read out of order: nothing left unchecked
+        ckpt.read_rows("w", 60, 100), ckpt.read_rows("w", 0, 30), ckpt.read_rows("w", 30, 60)
+        ckpt.read_rows("w", 0, 10)
+        assert [(u.name, u.pieces[0].nbytes) for u in ckpt.unchecked()] == [("src/data/0", 10 * 8 * 4)]
 
 
 # ---------------------------------------------------------------- memory the file cannot justify

@@ -108,6 +108,52 @@ def test_fabric_loads_trains_saves_and_resumes(run_ranks, shard_config, tied_che
     assert (tmp_path / "run").is_dir()  # Lightning's sharded checkpoint: one file per rank and meta.pt
 
 
+ROPE = """
+import lightning as L
+import safetensors.torch
+from litgpt import GPT
+
+import lightning_lowmem  # registers "lowmem_fsdp" with Fabric
+
+fabric = L.Fabric(accelerator="cpu", devices=world, strategy="lowmem_fsdp", precision="bf16-true")
+fabric.launch()
+with fabric.init_module():
+    model = GPT(config())
+model = fabric.setup(model)  # Lightning's bf16-true converts every floating buffer: RoPE tables too
+inner = model.module
+after_setup = str(inner.cos.dtype)
+fabric.load_raw(args["path"], model)
+tokens = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    logits = model(tokens).to(torch.bfloat16)
+# One process, no library: litgpt's weights loaded, converted as Lightning converts them, RoPE built again by
+# litgpt's own reset_parameters() as Lightning's path does after the conversion.
+reference = GPT(config())
+reference.load_state_dict(safetensors.torch.load_file(args["path"]))
+reference = reference.to(torch.bfloat16).eval()
+reference.reset_parameters()
+with torch.no_grad(), fabric.autocast():
+    expected = reference(tokens).to(torch.bfloat16)
+emit(after_setup=after_setup, after_forward=str(inner.cos.dtype), reference=str(reference.cos.dtype),
+     logits_equal=torch.equal(logits, expected), difference=(logits.float() - expected.float()).abs().max().item())
+"""
+
+
+@pytest.mark.slow
+def test_rope_tables_keep_float32_under_bf16_true_and_logits_equal_one_process(
+        run_ranks, shard_config, tiny_gpt, write_checkpoint, tmp_path):
+    from litgpt import Config
+
+    path = write_checkpoint(tiny_gpt(Config(**shard_config), torch.bfloat16, std=0.3).state_dict(), "safetensors",
+                            tmp_path)
+    ranks = run_ranks(ROPE, dict(config=shard_config, path=str(path)), init=False, timeout=400)
+    for result in ranks:
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = result.values
+        assert got["after_setup"] == got["after_forward"] == got["reference"] == "torch.float32", got
+        assert got["logits_equal"], got["difference"]
+
+
 QLORA = """
 import re
 import lightning as L

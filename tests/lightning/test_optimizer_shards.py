@@ -80,6 +80,7 @@ def adamw_checkpoint(tmp_path_factory):
     largest = max(p.nbytes for p in model.parameters())
 
     resumed_model = GPT(Config(**CONFIG)).to(torch.bfloat16)  # the unsharded resume of the same file
+    resumed_model.reset_parameters()  # RoPE tables back in float32, as Lightning's bf16-true setup leaves them
     full = torch.load(path, weights_only=True)
     resumed_model.load_state_dict(full["model"])
     resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=1e-3)
