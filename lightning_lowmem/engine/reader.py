@@ -14,6 +14,7 @@ from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.quantize.rows import RowSource
+from lightning_lowmem.quantize.workers import RowWorkers
 
 Payload = torch.Tensor | RowSource | dict[str, torch.Tensor]
 """What a route hands the stream: a tensor, a weight a block of rows at a time, or the parts of a weight stored
@@ -22,11 +23,12 @@ quantized (by checkpoint key)."""
 
 class Reader:
     """What routes read with: the checkpoint, the module (for a shard's local part), the reused scratch buffer, the
-    parts several targets share, and the conversion's ``combine``."""
+    parts several targets share, the conversion's ``combine``, and the threads that read and quantize blocks of rows
+    (``workers``; None: one block at a time)."""
 
     def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
-                 scratch_size: int = 0) -> None:
-        self.module, self.ckpt, self.combine = module, ckpt, combine
+                 scratch_size: int = 0, workers: RowWorkers | None = None) -> None:
+        self.module, self.ckpt, self.combine, self.workers = module, ckpt, combine, workers
         self.scratch = ScratchBuffer(scratch_size) if scratch_size else None
         self.scratch_size = scratch_size
         self.parts = SharedParts(ckpt, plan)

@@ -24,13 +24,22 @@ workspace (``DEQUANTIZE_WORKSPACE``).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import Route, Traits, as_read, by_rows_nbytes, decode, quantized_nbytes
+from lightning_lowmem.engine.route import (
+    Route,
+    Traits,
+    as_read,
+    by_rows_nbytes,
+    decode,
+    quantized_nbytes,
+    row_blocks,
+)
 from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
 from lightning_lowmem.plan import Target
 from lightning_lowmem.quantize.rows import RowSource
@@ -125,31 +134,35 @@ class Whole(Route):
 
 @dataclass(frozen=True)
 class Rows(Route):
-    """A weight quantized a block of rows at a time, each block read from the file into one reused buffer."""
+    """A weight quantized a block of rows at a time, each block read from the file into a buffer its thread reuses;
+    on the CPU, several blocks at once on the load's row workers (``quantize/workers.py``)."""
 
     kind: ClassVar[str] = "rows"
 
     def read(self, reader: Reader) -> Payload:
         target, rec = self.target, self.target.record
         row_elements = math.prod(rec.shape[1:])
-        buffer = torch.empty(0, dtype=rec.dtype)
+        buffers = threading.local()  # one per thread that reads blocks: a block is used before its thread reads again
 
         def rows(start: int, stop: int) -> torch.Tensor:
-            nonlocal buffer
             if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
                 block = reader.read(rec)
             else:
                 n = (stop - start) * row_elements
-                if buffer.numel() < n:
-                    buffer = torch.empty(n, dtype=rec.dtype)
-                block = reader.read(rec, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
+                if getattr(buffers, "buffer", None) is None or buffers.buffer.numel() < n:
+                    buffers.buffer = torch.empty(n, dtype=rec.dtype)
+                block = reader.read(rec, start, stop, out=buffers.buffer[:n].view(stop - start, *rec.shape[1:]))
             return block.to(dtype=target.dtype).to(device=target.device)
 
-        return RowSource(rec.shape, target.dtype, target.device, rows)
+        return RowSource(rec.shape, target.dtype, target.device, rows, reader.workers if self.blocks > 1 else None)
+
+    @property
+    def blocks(self) -> int:
+        return row_blocks(self.target)
 
     @property
     def transient(self) -> int:
-        return by_rows_nbytes(self.target) + decode(self.target)
+        return by_rows_nbytes(self.target, self.blocks) + decode(self.target)
 
 
 @dataclass(frozen=True)
