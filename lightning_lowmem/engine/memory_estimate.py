@@ -15,11 +15,15 @@
                    (``QuantScheme.library_bytes``)
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
                    the stream takes for it (``engine/routes.py``: the tensor as read when it is cast;
-                   a block of rows as read, cast and quantized + the freed heap a trim leaves; a
-                   combined tensor's parts; one part of a stacked one; a weight stored quantized,
-                   loaded as it is, nothing on CPU; a GGUF tensor's dequantization workspace)
-                   plus 6 MiB measured for the load itself
-    peak           weights + library + max(load transient, caches + activations
+                   a block of rows as read, cast and quantized + the freed heap a trim leaves (up to
+                   ``TRIM_AT``, 32 MiB: earlier weights' temporaries); a combined tensor's parts; one part of
+                   a stacked one; a weight stored quantized, loaded as it is, nothing on CPU; a GGUF
+                   tensor's dequantization workspace, and, kept unquantized and cast or rewritten, one
+                   block of its rows as read (twice when the transform rewrites it), never the tensor
+                   in float32) plus 6 MiB measured for the load itself
+    tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
+                   vocabulary), resident from before the load to the end; 0 otherwise
+    peak           weights + library + tokenizer + max(load transient, caches + activations
                    + first forward + runtime)
 """
 
@@ -63,6 +67,7 @@ class MemoryEstimate:
     runtime: int = 0
     library: int = 0
     load_transient: int = 0
+    tokenizer: int = 0
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None
     source: str = ""
@@ -73,11 +78,12 @@ class MemoryEstimate:
 
     @property
     def load_peak(self) -> int:
-        return self.weights + self.library + self.load_transient
+        return self.weights + self.library + self.tokenizer + self.load_transient
 
     @property
     def generate_peak(self) -> int:
-        return self.weights + self.library + self.caches + self.activations + self.dequantized + self.runtime
+        return (self.weights + self.library + self.tokenizer + self.caches + self.activations + self.dequantized
+                + self.runtime)
 
     @property
     def peak(self) -> int:
@@ -110,6 +116,7 @@ class MemoryEstimate:
                 ("runtime (first forward: kernels, allocator)", self.runtime),
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
+                *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
 
@@ -134,7 +141,7 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement, source=prepared.source.why)
-    traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform is not None,
+    traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform,
                        requantized=frozenset(requantized))
     for target in prepared.plan.targets:
         _add_target(est, route_of(target, traits))

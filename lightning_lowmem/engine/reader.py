@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.engine.readahead import ScratchBuffer
+from lightning_lowmem.engine.row_reads import RowBuffer, Transform
 from lightning_lowmem.engine.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.meta import owner_of
@@ -23,15 +24,17 @@ quantized (by checkpoint key)."""
 
 class Reader:
     """What routes read with: the checkpoint, the module (for a shard's local part), the reused scratch buffer, the
-    parts several targets share, the conversion's ``combine``, and the threads that read and quantize blocks of rows
-    (``workers``; None: one block at a time)."""
+    buffer blocks of rows are read into, the parts several targets share, the conversion's ``combine`` and
+    ``transform``, and the threads that read and quantize blocks of rows (``workers``; None: one block at a time)."""
 
     def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
-                 scratch_size: int = 0, workers: RowWorkers | None = None) -> None:
-        self.module, self.ckpt, self.combine, self.workers = module, ckpt, combine, workers
+                 scratch_size: int = 0, transform: Transform | None = None, workers: RowWorkers | None = None) -> None:
+        self.module, self.ckpt, self.combine, self.transform = module, ckpt, combine, transform
+        self.workers = workers
         self.scratch = ScratchBuffer(scratch_size) if scratch_size else None
         self.scratch_size = scratch_size
         self.parts = SharedParts(ckpt, plan)
+        self.rows = RowBuffer()  # the one buffer blocks of rows are read into (row_reads.py)
 
     def scratch_view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A view of the scratch buffer of ``shape`` and ``dtype``, or None when there is none that large."""

@@ -16,7 +16,6 @@ part (one block of rows when quantized), where combining the parts holds them al
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,9 +84,9 @@ class Stacked(Route):
 
 @dataclass(frozen=True)
 class StackedRows(Route):
-    """A stacked weight quantized a block of rows at a time, each block read from the parts that hold its rows into a
-    buffer its thread reuses; several blocks at once on the load's row workers when each part is read straight into
-    the block (stored in one dtype: no part goes through the shared scratch buffer)."""
+    """A stacked weight quantized a block of rows at a time, each block read from the parts that hold its rows into
+    the load's row buffer (one per thread); several blocks at once on the load's row workers when each part is read
+    straight into the block (stored in one dtype: no part goes through the shared scratch buffer)."""
 
     kind: ClassVar[str] = "stacked rows"
 
@@ -101,16 +100,12 @@ class StackedRows(Route):
         total = target.record.numel // max(math.prod(tail), 1)
         dtypes = {p.dtype for p in target.parts}
         read_dtype = dtypes.pop() if len(dtypes) == 1 else target.dtype
-        buffers = threading.local()
 
         def rows(start: int, stop: int) -> torch.Tensor:
-            n = (stop - start) * math.prod(tail)
             if start == 0 and stop == total:  # the whole weight: its own memory, nothing shared
                 block = torch.empty((stop - start, *tail), dtype=read_dtype)
             else:
-                if getattr(buffers, "buffer", None) is None or buffers.buffer.numel() < n:
-                    buffers.buffer = torch.empty(n, dtype=read_dtype)
-                block = buffers.buffer[:n].view(stop - start, *tail)
+                block = reader.rows.view((stop - start, *tail), read_dtype)
             lengths = [p.shape[0] for p in target.parts]
             for i, lo, hi, at in target.stack.pieces(lengths, start, stop):
                 reader.fill(target.parts[i], lo, hi, block[at:at + hi - lo])
