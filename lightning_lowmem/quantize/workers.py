@@ -117,22 +117,25 @@ class RowWorkers:
         return future
 
     def map(self, fn: Callable[[int], R], n: int) -> Iterator[R]:
-        """``fn(0), ..., fn(n - 1)`` in order, at most :attr:`count` of them started and not yet handed out.
+        """``fn(0), ..., fn(n - 1)``, all queued at once and run on the workers in that order; their results
+        yielded in that order.
 
-        When one raises (or the caller stops early), those not started are cancelled and those running are
-        waited for before the error goes on: nothing runs on after this returns.
+        All are queued, so that a worker never waits for a slower one's block before taking the next: only
+        :attr:`count` run at once (each holds its temporaries), and the results should be small (the blocks of
+        ``map_rows`` write their pieces in place and return None). When one raises (or the caller stops early),
+        those not started are cancelled and those running are waited for before the error goes on: nothing
+        runs on after this returns.
         """
-        pending: deque[Future[R]] = deque()
-        started = 0
+        pending = deque(self.submit(lambda i=i: fn(i)) for i in range(n))
         try:
-            while started < n or pending:
-                while started < n and len(pending) < self.count:
-                    pending.append(self.submit(lambda i=started: fn(i)))
-                    started += 1
-                yield pending.popleft().result()
+            while pending:
+                yield pending[0].result()
+                pending.popleft()
         finally:
             for future in pending:
-                if not future.cancel():
+                future.cancel()
+            for future in pending:
+                if not future.cancelled():
                     future.exception()  # wait for it; its error, if any, is not the one that stopped the loop
 
 
