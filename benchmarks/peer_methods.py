@@ -4,22 +4,21 @@ Each method builds and loads the model the way its library's documentation (or i
 worker then times one first forward (1 x 16 tokens, no KV cache). The checkpoints are prepared once
 (:func:`prepare`) from the same random pythia weights: a litgpt ``lit_model.pth`` and ``.safetensors`` file,
 their HF GPTNeoX twin (``quantize_memory.py``), the nf4 saves of ``prequantized.py`` and a Llama-shaped GGUF
-file of the same size (``gguf_load.py``).
+file of the same size (``gguf_files.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import gguf_load
 import prequantized
 import quantize_memory
 import torch
 from common import MiB, write_checkpoints
+from gguf_files import write_llama_gguf
 
 TOKENS = 16
 GGUF_KIND = "Q4_0"
@@ -70,13 +69,13 @@ NOT_ON_CPU = ("accelerate (load_and_quantize_model), litgpt generate --quantize 
 SCHEMES = {"nf4": "bnb.nf4", "int8": "bnb.int8", "int8wo": "torchao.int8wo"}
 
 
-def gguf_shape(model: str) -> argparse.Namespace:
+def gguf_shape(model: str) -> dict[str, int]:
     """A Llama as large as the litgpt ``model`` config (layers, width, MLP, vocabulary), for the GGUF case."""
     from litgpt import Config
 
     c = Config.from_name(model)
-    return argparse.Namespace(layers=c.n_layer, hidden=c.n_embd, intermediate=c.intermediate_size, heads=c.n_head,
-                              kv_heads=c.n_head, vocab=c.padded_vocab_size)
+    return dict(layers=c.n_layer, hidden=c.n_embd, intermediate=c.intermediate_size, heads=c.n_head,
+                kv_heads=c.n_head, vocab=c.padded_vocab_size)
 
 
 def paths(model: str, workdir: Path) -> dict[str, Path]:
@@ -103,7 +102,7 @@ def prepare(model: str, workdir: Path) -> None:
     quantize_memory.MODEL = prequantized.MODEL = model
     quantize_memory.prepare(workdir)  # the HF GPTNeoX twin
     prequantized.prepare("bnb.nf4", workdir)  # the nf4 saves, both layouts
-    gguf_load.write_gguf(paths(model, workdir)["gguf"], GGUF_KIND, gguf_shape(model))
+    write_llama_gguf(paths(model, workdir)["gguf"], GGUF_KIND, **gguf_shape(model))
 
 
 # ---------------------------------------------------------------- the methods (worker side)

@@ -1,7 +1,7 @@
 """Every peer side by side: load time, time to first forward and peak memory, quiet and beside a busy process.
 
     python benchmarks/peers.py                                   # pythia-1b, 3 rounds, quiet and busy
-    python benchmarks/peers.py --model pythia-160m --rounds 1    # a quick check that everything runs
+    python benchmarks/peers.py --quick                           # pythia-14m, 1 round: a check that everything runs
     python benchmarks/peers.py --only nf4 int8 --conditions busy --baseline /path/to/other/checkout
 
 Cases (the same random pythia weights throughout, prepared once under ``--workdir``; see ``peer_methods.py``):
@@ -227,10 +227,7 @@ def chart(all_runs: dict[str, dict], out: Path, title: str) -> None:
 
 
 def report(args: argparse.Namespace, all_runs: dict[str, dict], loads: list[dict]) -> str:
-    from lightning_lowmem import Checkpoint
-
-    with Checkpoint.open(paths(args.model, args.workdir)["safetensors"]) as ckpt:
-        model_bytes = sum(r.nbytes for r in ckpt.records.values())
+    model_bytes = _safetensors_nbytes(paths(args.model, args.workdir)["safetensors"])
     lines = [environment(["lightning", "litgpt", "transformers", "accelerate", "bitsandbytes", "torchao", "gguf"]),
              f"model: {args.model} config, random weights, bf16 model {model_bytes / MiB:.0f} MiB; {args.rounds} "
              f"interleaved round(s); page cache warm before each run; a fresh process per run", "",
@@ -243,6 +240,13 @@ def report(args: argparse.Namespace, all_runs: dict[str, dict], loads: list[dict
     return "\n".join(lines)
 
 
+def _safetensors_nbytes(path: Path) -> int:
+    """Bytes of the tensors a safetensors file holds, from its header (the parent imports no lightning_lowmem)."""
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return sum(end - begin for key, v in header.items() if key != "__metadata__" for begin, end in [v["data_offsets"]])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="pythia-1b", help="litgpt config name (default: pythia-1b)")
@@ -253,9 +257,13 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="cases named, or containing one of these words (nf4, bf16, ...)")
     parser.add_argument("--baseline", type=Path, help="another checkout whose lightning_lowmem rows run too")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--quick", action="store_true", help="pythia-14m, one round: a check that every method runs")
+    parser.add_argument("--from-json", type=Path, help="tables and chart again from a peers.json, nothing run")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.rounds = "pythia-14m", 1
     if args.worker:
         print(json.dumps(worker(*args.worker, args.model, args.workdir)))
         return
@@ -265,18 +273,33 @@ def main() -> None:
         prepare(args.model, args.workdir)
         print(json.dumps({"prepared": str(args.workdir)}))
         return
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        loads, seconds = saved.pop("load averages"), saved.pop("seconds", 0.0)
+        all_runs = {c: {tuple(k.split(" | ", 1)): v for k, v in runs.items()} for c, runs in saved.items()}
+        args.rounds = max((r["round"] for r in loads), default=1)
+        render(args, all_runs, loads, seconds, args.out or args.from_json.parent)
+        return
     prepared = _prepare(args)
     if "error" in prepared:
         sys.exit(f"writing the checkpoints failed: {prepared['error']}")
     t0 = time.perf_counter()
     all_runs, loads = rounds(args)
-    text = report(args, all_runs, loads) + f"\n\n(benchmark time {time.perf_counter() - t0:.0f} s)"
-    print(text)
+    seconds = time.perf_counter() - t0
     out = args.out or args.workdir / "peers"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.md").write_text(text + "\n")
     (out / "peers.json").write_text(json.dumps({c: {f"{k[0]} | {k[1]}": v for k, v in runs.items()}
-                                                for c, runs in all_runs.items()} | {"load averages": loads}, indent=1))
+                                                for c, runs in all_runs.items()}
+                                               | {"load averages": loads, "seconds": seconds}, indent=1))
+    render(args, all_runs, loads, seconds, out)
+
+
+def render(args: argparse.Namespace, all_runs: dict[str, dict], loads: list[dict], seconds: float,
+           out: Path) -> None:
+    """The tables printed and written to ``out/peers.md``, the chart to ``out/peers.png``."""
+    text = report(args, all_runs, loads) + f"\n\n(benchmark time {seconds:.0f} s)"
+    print(text)
+    (out / "peers.md").write_text(text + "\n")
     chart(all_runs, out / "peers.png", f"{args.model}: time to first forward, {args.rounds} round(s)")
 
 
