@@ -46,3 +46,13 @@ def cuda_or_none(device: torch.device | str | None) -> torch.device | None:
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         return device
     return None
+
+
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with its index: a bare ``"cuda"`` is the current CUDA device (``cuda:0`` unless set), since
+    Lightning's CUDA accelerator passes the device to ``torch.cuda.set_device``, which refuses one without an index.
+    Anything else is returned as a ``torch.device``, unchanged."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -579,6 +579,7 @@ def quantize_after_load():
         if scheme.startswith("torchao."):
             torchao_q.quantize_(model, _torchao_config(scheme, device), filter_fn=wanted)
             return model
+        model.to("cpu")  # bitsandbytes quantizes a weight as it moves from the CPU (int8: only then)
         for name, mod in list(model.named_modules()):
             if wanted(mod, name):
                 parent, _, leaf = name.rpartition(".")

@@ -85,7 +85,7 @@ class ScratchBuffer:
     """
 
     def __init__(self, nbytes: int) -> None:
-        self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` over the start of the buffer."""

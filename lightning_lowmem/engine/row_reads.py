@@ -85,7 +85,7 @@ class RowBuffer:
         held = getattr(self._local, "bytes", None)
         if held is None or held.numel() < nbytes:
             self._local.bytes = held = None  # the old one freed first
-            self._local.bytes = held = torch.empty(nbytes, dtype=torch.uint8)
+            self._local.bytes = held = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         self.unsettled += nbytes
         return held[:nbytes].view(dtype).view(shape)
 

@@ -103,7 +103,7 @@ class StackedRows(Route):
 
         def rows(start: int, stop: int) -> torch.Tensor:
             if start == 0 and stop == total:  # the whole weight: its own memory, nothing shared
-                block = torch.empty((stop - start, *tail), dtype=read_dtype)
+                block = torch.empty((stop - start, *tail), dtype=read_dtype, device="cpu")
             else:
                 block = reader.rows.view((stop - start, *tail), read_dtype)
             lengths = [p.shape[0] for p in target.parts]

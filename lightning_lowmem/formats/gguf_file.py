@@ -134,7 +134,7 @@ class GGUFFile(OpenedFile):
     def _read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
         rec = self._records[key]
         skip, shape = row_span(rec, start, stop) if rec.shape else (0, (1,))
-        out = torch.empty(shape, dtype=rec.dtype) if out is None else out
+        out = torch.empty(shape, dtype=rec.dtype, device="cpu") if out is None else out
         offset = self._infos[key].offset + skip
         try:
             if rec.encoding is None:
@@ -155,7 +155,7 @@ class GGUFFile(OpenedFile):
         row_bytes = rec.nbytes // (rec.numel // cols) if rows else 0
         flat = out.detach().view(rows, cols).numpy()  # numpy's copy: torch's copy_ took 8x longer on 2 busy cores
         per = max(1, DEQUANTIZE_ELEMENTS // max(cols, 1))
-        raw = torch.empty(min(per, rows) * row_bytes, dtype=torch.uint8)
+        raw = torch.empty(min(per, rows) * row_bytes, dtype=torch.uint8, device="cpu")
         for first in range(0, rows, per):
             n = min(per, rows - first)
             block = self.read_into(raw[:n * row_bytes], offset + first * row_bytes)

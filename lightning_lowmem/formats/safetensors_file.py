@@ -57,7 +57,7 @@ class SafetensorsFile(OpenedFile):
 
     def _read_at(self, key: str, skip: int, shape: tuple[int, ...], out: torch.Tensor | None) -> torch.Tensor:
         """``shape`` worth of tensor ``key``'s data, from ``skip`` bytes into it."""
-        out = torch.empty(shape, dtype=self._records[key].dtype) if out is None else out
+        out = torch.empty(shape, dtype=self._records[key].dtype, device="cpu") if out is None else out
         try:
             self.read_into(out, self._offsets[key] + skip)
         except CheckpointFormatError as e:

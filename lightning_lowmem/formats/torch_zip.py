@@ -247,13 +247,14 @@ class TorchZipFile(OpenedFile):
     def _read(self, loc: _Location, out: torch.Tensor | None = None, key: str = "") -> torch.Tensor:
         ref = loc.ref
         if loc.contiguous:
-            out = torch.empty(ref.shape, dtype=ref.dtype) if out is None else out
+            out = torch.empty(ref.shape, dtype=ref.dtype, device="cpu") if out is None else out
             self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize)
             if ref.offset == 0 and out.nbytes == ref.storage.nbytes:  # the whole record: check its CRC-32
                 self._check_crc(ref.storage.key, crc_of(out), key)
             return out
         # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
-        whole = self.read_into(torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype), loc.offset)
+        whole = torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype, device="cpu")
+        whole = self.read_into(whole, loc.offset)
         self._check_crc(ref.storage.key, crc_of(whole), key)
         return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
@@ -281,7 +282,7 @@ class TorchZipFile(OpenedFile):
         if not loc.contiguous:
             raise ValueError(f"{self.path}: {key!r} is a strided view; read it whole with read().")
         skip, shape = row_span(rec, start, stop)
-        out = torch.empty(shape, dtype=rec.dtype) if out is None else out
+        out = torch.empty(shape, dtype=rec.dtype, device="cpu") if out is None else out
         self.read_into(out, loc.offset + loc.ref.offset * rec.dtype.itemsize + skip)
         self._check_rows_crc(key, loc, start, stop, out)
         return out
@@ -333,7 +334,8 @@ class TorchZipFile(OpenedFile):
 
     def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
         """A storage's record read whole (its bytes), checked against its CRC-32."""
-        data = self.read_into(torch.empty(storage.nbytes, dtype=torch.uint8), self._record_of(storage, where))
+        data = torch.empty(storage.nbytes, dtype=torch.uint8, device="cpu")
+        data = self.read_into(data, self._record_of(storage, where))
         self._check_crc(storage.key, crc_of(data), where)
         return data
 

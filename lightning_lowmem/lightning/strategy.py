@@ -32,6 +32,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_lowmem.devices import indexed
 from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
@@ -129,6 +130,7 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
                                     strict=strict, key_map=key_map, progress=progress, transform=transform,
                                     combine=combine, max_memory=max_memory, context=context)
         device = device if device is not None else options.device
+        device = indexed(device) if device is not None else None
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
         self.loader = LightningLoader(options, init_added=init_added)

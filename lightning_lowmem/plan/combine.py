@@ -165,7 +165,7 @@ def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: 
         return None
     numbers, firsts, total = {}, [], 0
     for p in parts:
-        numbers[p.key] = torch.arange(total, total + p.shape[0]).view(p.shape[0], *([1] * len(tail)))
+        numbers[p.key] = torch.arange(total, total + p.shape[0], device="cpu").view(p.shape[0], *([1] * len(tail)))
         firsts.append(total)
         total += p.shape[0]
     try:
@@ -178,14 +178,14 @@ def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: 
             or tuple(out.shape) != (*shape[:lead], *([1] * len(tail))) or out.numel() != total):
         return None
     rows = out.reshape(-1)
-    if not torch.equal(rows.sort().values, torch.arange(total)):
+    if not torch.equal(rows.sort().values, torch.arange(total, device="cpu")):
         return None
-    where = torch.empty(total, dtype=torch.int64)
-    where[rows] = torch.arange(total)
+    where = torch.empty(total, dtype=torch.int64, device="cpu")
+    where[rows] = torch.arange(total, device="cpu")
     starts = []
     for p, first in zip(parts, firsts, strict=True):
         start = int(where[first])
-        if not torch.equal(where[first:first + p.shape[0]], torch.arange(start, start + p.shape[0])):
+        if not torch.equal(where[first:first + p.shape[0]], torch.arange(start, start + p.shape[0], device="cpu")):
             return None
         starts.append(start)
     return Stack(tuple(starts), tail)

@@ -150,7 +150,10 @@ def test_cuda_round_trip(quant_checkpoint, quant_load, assert_same_weights, forw
     save_checkpoint(model, tmp_path)  # each tensor copied to the CPU as it is written
     again, report = quant_load(tmp_path, device="cuda", progress=False)
     assert len(report.prequantized) == 8
-    assert all(t.device.type == "cuda" for t in _stored_state(again).values())
+    # bitsandbytes packs a 4-bit quant state's JSON into a CPU tensor whatever the device (QuantState.as_dict)
+    off = {k: t.device.type for k, t in _stored_state(again).items()
+           if t.device.type != "cuda" and ".quant_state.bitsandbytes__" not in k}
+    assert not off, off
     assert_same_weights(again, model)
     torch.testing.assert_close(forward_logits(again), forward_logits(model), rtol=0, atol=0)
 
