@@ -61,7 +61,8 @@ CASES: dict[str, dict[str, str]] = {
         "nf4 kernel": "bitsandbytes quantize_4bit on each Linear weight already in memory",
         "int8 kernel": "bitsandbytes int8_vectorwise_quant on each Linear weight already in memory",
         "int8wo kernel": "torchao quantize_ (Int8WeightOnlyConfig) on each Linear already in memory",
-        "gguf dequantize": f"each tensor of the GGUF {GGUF_KIND} file read and dequantized (gguf.quants)",
+        "gguf dequantize": f"each tensor of the GGUF {GGUF_KIND} file read and dequantized to bf16 (gguf.quants; "
+                           "the header parsed before the clock starts)",
     },
 }
 NOT_ON_CPU = ("accelerate (load_and_quantize_model), litgpt generate --quantize and Fabric (BitsandbytesPrecision) "
@@ -218,7 +219,10 @@ def limit(method: str, model: str, workdir: Path) -> float:
     if method == "read warm":
         return _timed(lambda: _read_reused(p["safetensors"]))
     if method == "gguf dequantize":
-        return _timed(lambda: _dequantize(p["gguf"]))
+        import gguf
+
+        reader = gguf.GGUFReader(p["gguf"])  # its header parse is not the limit: ours is a bounded one of its own
+        return _timed(lambda: _dequantize(reader))
     from lightning_lowmem import Checkpoint
 
     with Checkpoint.open(p["safetensors"]) as ckpt:
@@ -248,10 +252,9 @@ def _read_reused(path: Path) -> None:
         os.close(fd)
 
 
-def _dequantize(path: Path) -> None:
+def _dequantize(reader) -> None:  # noqa: ANN001 (gguf.GGUFReader, imported where used)
     import gguf
 
-    reader = gguf.GGUFReader(path)
     for tensor in reader.tensors:
         torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type)).to(torch.bfloat16)
 
