@@ -15,6 +15,7 @@ from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.quantize.rows import RowSource
+from lightning_lowmem.quantize.workers import RowWorkers
 
 Payload = torch.Tensor | RowSource | dict[str, torch.Tensor]
 """What a route hands the stream: a tensor, a weight a block of rows at a time, or the parts of a weight stored
@@ -23,12 +24,13 @@ quantized (by checkpoint key)."""
 
 class Reader:
     """What routes read with: the checkpoint, the module (for a shard's local part), the reused scratch buffer, the
-    buffer blocks of rows are read into, the parts several targets share, and the conversion's ``combine`` and
-    ``transform``."""
+    buffer blocks of rows are read into, the parts several targets share, the conversion's ``combine`` and
+    ``transform``, and the threads that read and quantize blocks of rows (``workers``; None: one block at a time)."""
 
     def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
-                 scratch_size: int = 0, transform: Transform | None = None) -> None:
+                 scratch_size: int = 0, transform: Transform | None = None, workers: RowWorkers | None = None) -> None:
         self.module, self.ckpt, self.combine, self.transform = module, ckpt, combine, transform
+        self.workers = workers
         self.scratch = ScratchBuffer(scratch_size) if scratch_size else None
         self.scratch_size = scratch_size
         self.parts = SharedParts(ckpt, plan)

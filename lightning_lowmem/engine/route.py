@@ -14,6 +14,7 @@ from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
+from lightning_lowmem.quantize.workers import row_workers
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,11 @@ class Route:
         """The largest read this route makes into the reused scratch buffer (0: none)."""
         return 0
 
+    @property
+    def blocks(self) -> int:
+        """Blocks of rows read and quantized at once along this route (more than one: on the load's row workers)."""
+        return 1
+
 
 def as_read(target: Target) -> int:
     """Bytes of the tensor as read, when it is then cast (both live at once); 0 when read in its final dtype."""
@@ -95,13 +101,20 @@ def decode(target: Target) -> int:
     return DEQUANTIZE_WORKSPACE if any(r.encoding for r in (target.record, *target.parts)) else 0
 
 
-def by_rows_nbytes(target: Target) -> int:
-    """One block of rows as read, cast and quantized, and the freed heap a trim leaves: up to ``TRIM_AT`` bytes,
-    the earlier weights' temporaries (measured on a Mixtral stack quantized to nf4: 15-32 MiB beyond the final
-    tensors from run to run, where one block's allowance gave 19 MiB)."""
+def by_rows_nbytes(target: Target, blocks: int = 1) -> int:
+    """Up to ``blocks`` blocks of rows (as many as are in flight at once: one per row worker, ``quantize/workers.py``;
+    never more than the whole weight) as read, cast and quantized, and the freed heap a trim leaves: up to
+    ``TRIM_AT`` bytes, the earlier weights' temporaries (measured on a Mixtral stack quantized to nf4: 15-32 MiB
+    beyond the final tensors from run to run, where one block's allowance gave 19 MiB)."""
     per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
-    working = int(min(target.record.numel, CHUNK_ELEMENTS) * per_element)
+    working = int(min(target.record.numel, blocks * CHUNK_ELEMENTS) * per_element)
     return working + TRIM_AT
+
+
+def row_blocks(target: Target) -> int:
+    """Blocks of rows of ``target`` read and quantized at once on its route: one per row worker for a weight quantized
+    on the CPU (``quantize/workers.py``), else one (a file that decodes its blocks, GGUF, reads one at a time)."""
+    return 1 if decode(target) else row_workers(target.device)
 
 
 def quantized_nbytes(target: Target, held: int) -> int:

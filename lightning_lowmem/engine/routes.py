@@ -29,13 +29,22 @@ workspace (``DEQUANTIZE_WORKSPACE``).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import Route, Traits, as_read, by_rows_nbytes, decode, quantized_nbytes
+from lightning_lowmem.engine.route import (
+    Route,
+    Traits,
+    as_read,
+    by_rows_nbytes,
+    decode,
+    quantized_nbytes,
+    row_blocks,
+)
 from lightning_lowmem.engine.row_reads import block_rows, built_by_rows, read_built, reads_by_rows, rows_reader
 from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
 from lightning_lowmem.plan import Target, row_block
@@ -137,8 +146,9 @@ class Whole(Route):
 
 @dataclass(frozen=True)
 class Rows(Route):
-    """A weight quantized a block of rows at a time, each block read from the file into the load's one row buffer
-    (and rewritten by the transform when it takes blocks of rows: ``rewritten``)."""
+    """A weight quantized a block of rows at a time, each block read from the file into the load's row buffer (and
+    rewritten by the transform when it takes blocks of rows: ``rewritten``); on the CPU, several blocks at once on
+    the load's row workers (``quantize/workers.py``), each into a buffer of its own thread."""
 
     rewritten: bool = False
     kind: ClassVar[str] = "rows"
@@ -147,11 +157,16 @@ class Rows(Route):
         target = self.target
         rows = rows_reader(reader.ckpt, target, reader.transform, reader.rows)
         return RowSource(target.record.shape, target.dtype, target.device,
-                         lambda start, stop: rows(start, stop).to(dtype=target.dtype).to(device=target.device))
+                         lambda start, stop: rows(start, stop).to(dtype=target.dtype).to(device=target.device),
+                         reader.workers if self.blocks > 1 else None)
+
+    @property
+    def blocks(self) -> int:
+        return row_blocks(self.target)
 
     @property
     def transient(self) -> int:
-        return by_rows_nbytes(self.target) + decode(self.target)
+        return by_rows_nbytes(self.target, self.blocks) + decode(self.target)
 
     @property
     def transformed(self) -> bool:

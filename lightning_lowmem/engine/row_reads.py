@@ -16,6 +16,7 @@ The quantized path reads the same blocks (:func:`rows_reader`), handed to the qu
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -62,28 +63,31 @@ def block_rows(target: Target, transform: Transform | None) -> int:
 
 
 class RowBuffer:
-    """The one buffer the blocks of rows of a load are read into, grown to the largest block, and the count of
-    what was read through it since the heap was last handed back.
+    """The buffer the blocks of rows of a load are read into, grown to the largest block, one per thread that reads
+    blocks (the load's own thread; with row workers, ``quantize/workers.py``, one each: a thread uses its block before
+    it reads the next), and the count of what was read through it since the heap was last handed back.
 
-    Allocated once per load, not once per tensor: a buffer allocated and freed beside each final
+    Allocated once per load (and thread), not once per tensor: a buffer allocated and freed beside each final
     tensor left holes in the heap (SmolLM2-135M from Q4_1: +57 MiB resident after the load). gguf's
     dequantizer leaves some too (its temporaries, freed between the final tensors): :meth:`settle`
     hands the free heap back once every :data:`~lightning_lowmem.quantize.quantizer.TRIM_AT` bytes read
-    (a bf16 load of SmolLM2-135M kept 31 MiB of free heap without it).
+    (a bf16 load of SmolLM2-135M kept 31 MiB of free heap without it). A worker's buffer goes with its thread.
     """
 
     def __init__(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8, device="cpu")
-        self.unsettled = 0
+        self._local = threading.local()
+        self.unsettled = 0  # added to from several threads: a count lost to a race only delays a trim
 
     def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` over the start of the buffer (its previous contents are dead)."""
+        """A tensor of ``shape`` and ``dtype`` over the start of this thread's buffer (its previous contents are
+        dead)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self._bytes.numel() < nbytes:
-            self._bytes = torch.empty(0, dtype=torch.uint8, device="cpu")  # the old one freed first
-            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        held = getattr(self._local, "bytes", None)
+        if held is None or held.numel() < nbytes:
+            self._local.bytes = held = None  # the old one freed first
+            self._local.bytes = held = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         self.unsettled += nbytes
-        return self._bytes[:nbytes].view(dtype).view(shape)
+        return held[:nbytes].view(dtype).view(shape)
 
     def settle(self) -> None:
         """The free heap back to the OS (``memory/heap.py``) once :data:`TRIM_AT` bytes were read since the last

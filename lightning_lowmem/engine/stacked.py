@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode
+from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode, row_blocks
 from lightning_lowmem.plan import Target
 from lightning_lowmem.quantize.rows import RowSource
 
@@ -84,33 +84,36 @@ class Stacked(Route):
 
 @dataclass(frozen=True)
 class StackedRows(Route):
-    """A stacked weight quantized a block of rows at a time, each block read from the parts that hold its rows."""
+    """A stacked weight quantized a block of rows at a time, each block read from the parts that hold its rows into
+    the load's row buffer (one per thread); several blocks at once on the load's row workers when each part is read
+    straight into the block (stored in one dtype: no part goes through the shared scratch buffer)."""
 
     kind: ClassVar[str] = "stacked rows"
+
+    @property
+    def blocks(self) -> int:
+        """``route.row_blocks``; one where the parts are stored in several dtypes (read through the scratch buffer)."""
+        return row_blocks(self.target) if len({p.dtype for p in self.target.parts}) == 1 else 1
 
     def read(self, reader: Reader) -> Payload:
         target, tail = self.target, self.target.stack.tail
         total = target.record.numel // max(math.prod(tail), 1)
         dtypes = {p.dtype for p in target.parts}
         read_dtype = dtypes.pop() if len(dtypes) == 1 else target.dtype
-        buffer = torch.empty(0, dtype=read_dtype, device="cpu")
 
         def rows(start: int, stop: int) -> torch.Tensor:
-            nonlocal buffer
-            n = (stop - start) * math.prod(tail)
             if start == 0 and stop == total:  # the whole weight: its own memory, nothing shared
                 block = torch.empty((stop - start, *tail), dtype=read_dtype, device="cpu")
             else:
-                if buffer.numel() < n:
-                    buffer = torch.empty(n, dtype=read_dtype, device="cpu")
-                block = buffer[:n].view(stop - start, *tail)
+                block = reader.rows.view((stop - start, *tail), read_dtype)
             lengths = [p.shape[0] for p in target.parts]
             for i, lo, hi, at in target.stack.pieces(lengths, start, stop):
                 reader.fill(target.parts[i], lo, hi, block[at:at + hi - lo])
             return block.to(dtype=target.dtype).to(device=target.device)
 
-        return RowSource((total, *tail), target.dtype, target.device, rows)
+        workers = reader.workers if self.blocks > 1 else None
+        return RowSource((total, *tail), target.dtype, target.device, rows, workers)
 
     @property
     def transient(self) -> int:
-        return by_rows_nbytes(self.target) + decode(self.target)
+        return by_rows_nbytes(self.target, self.blocks) + decode(self.target)

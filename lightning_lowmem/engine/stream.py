@@ -26,9 +26,9 @@ earlier meets the others there instead of leaving them in the collective.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -45,10 +45,12 @@ from lightning_lowmem.meta import assign
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.quantize import Quantizer
 from lightning_lowmem.quantize.rows import RowSource
+from lightning_lowmem.quantize.workers import RowWorkers
 
 READ_AHEAD_FINAL = 512 * 2**20
 """Bytes read ahead of the tensor being handled (see readahead.py): only where what is read
-becomes the final tensor as it is (no cast, no move, no quantization), so it costs nothing."""
+becomes the final tensor as it is (no cast, no move, no quantization), so it costs nothing. In a load that
+quantizes, those reads (embeddings, norms, a head kept in full precision) run while weights are quantized."""
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -66,19 +68,19 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     mapped = mmap and mappable(plan, quantizer, transform)
     traits = Traits.of(plan, ckpt, transform=transform, mapped=mapped)
     routes = {id(target): route_of(target, traits) for target in plan.targets}
-    window = read_window(list(routes.values()), quantizer is not None or transform is not None)
-    reader = Reader(module, ckpt, plan, combine, scratch_size(plan, routes) if window == 0 else 0, transform)
+    window = read_window(list(routes.values()), transform is not None)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
     tensors = nbytes = 0
     # Only the loop's own objects are made here unless a quantizer or a transform runs: those may leave reference
     # cycles (torchao's int8 weights did: +120 MiB with the collector paused), so the collector keeps running then.
-    paused = collector_paused() if quantizer is None and transform is None else contextlib.nullcontext()
+    paused = collector_paused() if quantizer is None and transform is None else nullcontext()
     sums = ShardSums(module, [t for t in plan.targets if routes[id(t)].kind == QuantizedShardRows.kind])
     try:
-        with torch.no_grad(), paused:
+        with torch.no_grad(), paused, row_workers_for(routes.values()) as workers:
+            reader = Reader(module, ckpt, plan, combine, scratch_size(plan, routes), transform, workers)
             for target, tensor in read_ahead(plan.targets, lambda t: routes[id(t)].read(reader),
-                                             lambda t: t.read_nbytes, window):
+                                             lambda t: t.read_nbytes, window, accept=lambda t: routes[id(t)].final):
                 route = routes[id(target)]
                 _install(module, target, tensor, quantizer, None if route.transformed else transform, sums)
                 del tensor
@@ -141,12 +143,18 @@ def mappable(plan: LoadPlan, quantizer: Quantizer | None, transform: Transform |
         for t in plan.targets)
 
 
-def read_window(routes: list[Route], transient: bool) -> int:
-    """Bytes read ahead of the tensor being handled: :data:`READ_AHEAD_FINAL` when every route reads its final tensor
-    as it is, else none (``transient``: the load quantizes or transforms; a mapped load reads nothing)."""
-    if transient or any(not route.final or route.kind == "mapped" for route in routes):
+def read_window(routes: list[Route], transform: bool) -> int:
+    """Bytes read ahead of the tensor being handled: :data:`READ_AHEAD_FINAL`, for the routes that read a final tensor
+    as it is (the others are read in turn); none when a transform runs on every tensor as read, or the load maps."""
+    if transform or any(route.kind == "mapped" for route in routes):
         return 0
     return READ_AHEAD_FINAL
+
+
+def row_workers_for(routes: Iterable[Route]) -> AbstractContextManager[RowWorkers | None]:
+    """The threads that read and quantize blocks of rows for this load (``quantize/workers.py``), when a route reads
+    several blocks at once; they end with the load."""
+    return RowWorkers.for_cpu() if any(route.blocks > 1 for route in routes) else nullcontext()
 
 
 def scratch_size(plan: LoadPlan, routes: dict[int, Route]) -> int:

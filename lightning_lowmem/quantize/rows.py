@@ -7,15 +7,22 @@ are block-wise (a scale per ``blocksize`` consecutive elements) or row-wise, so
 quantizing blocks of rows and concatenating the pieces gives the same bytes as
 quantizing the whole weight at once (the tests check this bit for bit against
 bitsandbytes' own after-load path), with temporaries the size of one block.
+
+A weight read from the file comes with :class:`~lightning_lowmem.quantize.workers.RowWorkers`: its blocks are
+then read and quantized on several threads at once (see ``workers.py``), each holding one block's temporaries.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
+
+from lightning_lowmem.quantize.workers import RowWorkers
 
 CHUNK_ELEMENTS = 1 << 19
 """Elements per block of rows (1 MiB of bf16). Loading pythia-1b (bf16 safetensors, 2 cores, two runs each), the
@@ -52,14 +59,17 @@ class RowSource:
         shape: the whole weight's shape.
         dtype: the dtype of the blocks.
         device: where the blocks are.
-        rows: ``rows(start, stop)`` gives rows ``start:stop``. A block may share memory with
-            the previous one: it must be used before the next is asked for.
+        rows: ``rows(start, stop)`` gives rows ``start:stop``. A block may share memory with the previous
+            one asked for by the same thread: it must be used before that thread asks for the next. With
+            ``workers``, it is called from their threads, several blocks at once.
+        workers: the threads that read and quantize its blocks (None: one block at a time, in the caller's).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     rows: Callable[[int, int], torch.Tensor]
+    workers: RowWorkers | None = None
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> RowSource:
@@ -85,9 +95,10 @@ def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor]
     """``quantize`` blocks of rows of ``weight``, writing each of its outputs into one tensor along dim 0.
 
     Args:
-        weight: a 2-D weight, or a :class:`RowSource` that reads it a block at a time.
+        weight: a 2-D weight, or a :class:`RowSource` that reads it a block at a time (with its ``workers``:
+            several blocks at once, on their threads).
         quantize: returns the tensors that hold a block's quantized data; each must be laid
-            out along dim 0 in the order of the block's elements.
+            out along dim 0 in the order of the block's elements, in memory of its own (not the block's).
         lengths: the dim-0 length of each output for the whole weight (dtype and other dims are
             taken from the first block's outputs); one int: the same for every output.
         align: block boundaries fall on multiples of this many elements (the scheme's blocksize).
@@ -101,19 +112,63 @@ def map_rows(weight: torch.Tensor | RowSource, quantize: Callable[[torch.Tensor]
     step = rows_per_chunk(source.shape, align, chunk_elements)
     if step >= rows:
         return list(quantize(source.whole()))
-    outputs: list[torch.Tensor] = []
-    offsets: list[int] = []
-    for start in range(0, rows, step):
-        pieces = quantize(source.rows(start, min(start + step, rows)))
-        if not outputs:  # written into as they come: no list of pieces, no concatenated copy
-            if isinstance(lengths, int):
-                lengths = [lengths] * len(pieces)
-            outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths, strict=True)]
-            offsets = [0] * len(outputs)
-        for i, piece in enumerate(pieces):
-            outputs[i][offsets[i]:offsets[i] + piece.shape[0]] = piece
-            offsets[i] += piece.shape[0]
-        del pieces
-    if offsets != list(lengths):
-        raise RuntimeError(f"Quantized blocks filled {offsets} rows of outputs sized {list(lengths)}.")
-    return outputs
+    starts = range(0, rows, step)
+    outputs = _Outputs([lengths] if isinstance(lengths, int) else list(lengths), each=isinstance(lengths, int))
+
+    def block(i: int) -> None:
+        with torch.no_grad():  # grad mode is per thread: a worker's is not the caller's
+            pieces = quantize(source.rows(starts[i], min(starts[i] + step, rows)))
+            outputs.put(i, pieces, full=starts[i] + step <= rows)
+
+    blocks = (source.workers.map(block, len(starts)) if source.workers is not None
+              else (block(i) for i in range(len(starts))))
+    with closing(blocks):  # on an error, the workers' blocks in flight end before it goes on
+        for _ in blocks:
+            pass
+    return outputs.done()
+
+
+class _Outputs:
+    """The outputs of :func:`map_rows`, each block's pieces written into them by the thread that quantized it.
+
+    A block's pieces go at ``index`` times a full block's lengths (every block but the last is full), so they are
+    written as they come, in any order, by several threads at once, and never gathered in a list. The outputs are
+    allocated when the first full block arrives; a last block that comes before it waits here.
+    """
+
+    def __init__(self, lengths: list[int], each: bool) -> None:
+        self._lengths, self._each = lengths, each  # each: one length for every output
+        self._lock = threading.Lock()
+        self._outputs: list[torch.Tensor] = []
+        self._full: list[int] = []
+        self._early: tuple[int, Sequence[torch.Tensor]] | None = None
+        self._filled: list[int] = []
+
+    def put(self, index: int, pieces: Sequence[torch.Tensor], full: bool) -> None:
+        with self._lock:
+            if not self._outputs:
+                if not full:
+                    self._early = (index, pieces)
+                    return
+                lengths = self._lengths * len(pieces) if self._each else self._lengths
+                self._outputs = [p.new_empty((n, *p.shape[1:])) for p, n in zip(pieces, lengths, strict=True)]
+                self._lengths, self._full, self._filled = lengths, [p.shape[0] for p in pieces], [0] * len(pieces)
+            elif full and [p.shape[0] for p in pieces] != self._full:
+                raise RuntimeError(f"Block {index} was quantized into {[p.shape[0] for p in pieces]} rows, "
+                                   f"the first full block into {self._full}: blocks must be alike.")
+            early, self._early = self._early, None
+            for i, piece in enumerate(pieces):
+                self._filled[i] += piece.shape[0]
+        self._write(index, pieces)
+        if early is not None:
+            self.put(*early, full=False)
+
+    def _write(self, index: int, pieces: Sequence[torch.Tensor]) -> None:
+        for output, full, piece in zip(self._outputs, self._full, pieces, strict=True):
+            output[index * full:index * full + piece.shape[0]] = piece
+
+    def done(self) -> list[torch.Tensor]:
+        """The outputs, once every block was put."""
+        if self._early is not None or self._filled != self._lengths:
+            raise RuntimeError(f"Quantized blocks filled {self._filled} rows of outputs sized {self._lengths}.")
+        return self._outputs
