@@ -96,7 +96,7 @@ class Whole(Route):
 
     def read(self, reader: Reader) -> Payload:
         rec = self.target.record
-        out = reader.scratch_view(rec.shape, rec.dtype) if self.copied else None
+        out = reader.scratch_view(rec.shape, rec.dtype) if self.copied else reader.final_out(rec.shape, rec.dtype)
         return reader.ckpt.read(rec.key, out=out)
 
     @property
@@ -191,7 +191,7 @@ class Stored(Route):
     kind: ClassVar[str] = "stored"
 
     def read(self, reader: Reader) -> Payload:
-        return {p.key: reader.ckpt.read(p.key) for p in self.target.parts}
+        return {p.key: reader.ckpt.read(p.key, out=reader.final_out(p.shape, p.dtype)) for p in self.target.parts}
 
     @property
     def transient(self) -> int:  # on CPU the parts read are the final tensors

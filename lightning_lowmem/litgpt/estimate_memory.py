@@ -32,7 +32,9 @@ from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
-from lightning_lowmem.placement import MaxMemory
+from lightning_lowmem.formats.read_speed import measure_read_speed
+from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.placement import MaxMemory, PlacementPlan
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
 
@@ -51,6 +53,8 @@ def estimate_memory(
     key_map: KeyMap | None = None,
     runtime: int = CPU_RUNTIME,
     max_memory: MaxMemory | None = None,
+    disk_offload: bool | None = None,
+    read_bandwidth: float | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of loading ``source`` and generating from it, reading headers only.
 
@@ -70,6 +74,12 @@ def estimate_memory(
         prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length``.
         config: a litgpt ``Config`` for a checkpoint without ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
+        disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file: the estimate
+            says which (``est.placement.on_disk``), the bytes each token reads (``est.disk_read``) and the seconds
+            that takes (``est.seconds_per_token``) before anything is loaded.
+        read_bandwidth: bytes per second the checkpoint file is read at; default: measured on the file
+            (:func:`~lightning_lowmem.formats.read_speed.measure_read_speed`: O_DIRECT, the storage, not the page
+            cache) when layers are on disk; a litgpt config or name has no file to measure.
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
@@ -86,7 +96,7 @@ def estimate_memory(
     import_litgpt(needed_by="lightning_lowmem.estimate_memory()")  # its model is litgpt's GPT
     dtype = load_dtype(dtype or (options.dtype if options is not None else None), None, torch.bfloat16)
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
-                                max_memory=max_memory, batch_size=batch_size, strict=False)
+                                max_memory=max_memory, disk_offload=disk_offload, batch_size=batch_size, strict=False)
     with contextlib.ExitStack() as stack:
         model, source, name = _model_and_source(source, config, options, stack)
         is_litgpt = hasattr(model, "config")
@@ -98,13 +108,31 @@ def estimate_memory(
             raise ValueError("estimate_memory(max_memory=...) needs a litgpt config to group layers: pass config=.")
         options = LoadOptions.merge(options, context=length or None)
         prepared = prepare_load(model, source, options, check_keys=False)
+        note = _read_bandwidth(prepared.placement, source, read_bandwidth)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
                             with_caches=is_litgpt)
     if not is_litgpt:
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated; "
                          "Linear layers guessed from key names and shapes")
+    if note:
+        est.notes.append(note)
     return est
+
+
+def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: float | None) -> str:
+    """Put the read bandwidth on a placement with layers on disk: ``given``, else measured on the source's files;
+    returns a note saying which (empty without layers on disk)."""
+    if placement is None or not placement.on_disk:
+        return ""
+    if given is not None:
+        placement.read_bandwidth = float(given)
+        return f"layers on disk read at {format_bytes(given)}/s (given)"
+    if not source.paths:
+        return "no checkpoint file to measure its read speed: pass read_bandwidth= (bytes per second) for s/token"
+    speed = measure_read_speed(source.paths)
+    placement.read_bandwidth = speed.bytes_per_second
+    return f"read speed of {source.description} measured: {speed}"
 
 
 def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
