@@ -147,8 +147,9 @@ class MemoryEstimate:
         lines = [head] + [f"  {label:<{width}}  {format_bytes(n):>12}" for label, n in rows]
         if self.disk_read:
             seconds = self.seconds_per_token
-            lines.append(f"  reading the layers on disk: ~{seconds:.3g} s/token at {format_bytes(self.read_bandwidth)}/s"
-                         if seconds is not None else "  reading the layers on disk: pass read_bandwidth= for s/token")
+            lines.append("  reading the layers on disk: " + (
+                f"~{seconds:.3g} s/token at {format_bytes(self.read_bandwidth)}/s" if seconds is not None
+                else "pass read_bandwidth= for s/token"))
         placement = [str(self.placement)] if self.placement is not None else []
         return "\n".join(lines + [f"  note: {note}" for note in self.notes] + placement)
 

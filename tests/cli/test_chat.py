@@ -36,3 +36,12 @@ def test_no_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_
     directory = write_litgpt_dir(tmp_path / "no-tokenizer", tiny_config(), tokenizer=False)
     assert main(["chat", str(directory)]) == 1
     assert "No tokenizer in" in capsys.readouterr().err and read_recorder.keys == []
+
+
+def test_the_same_replies_with_the_layers_on_disk(run_cli, chat_model_dir):
+    flags = ["chat", chat_model_dir, "--max_new_tokens", "12", "--top_k", "1"]
+    in_memory = run_cli(*flags, stdin=TURNS)
+    streamed = run_cli(*flags, "--max_memory", "cpu=30KiB", "--disk_offload", stdin=TURNS)
+    assert streamed.returncode == 0, streamed.stderr
+    assert _replies(streamed.stdout) == _replies(in_memory.stdout) and len(_replies(streamed.stdout)) == 3
+    assert "on disk" in streamed.stderr
