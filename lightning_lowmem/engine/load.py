@@ -215,6 +215,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
     _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype)
+    report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
     report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
     try:
         _finish(prepared, quantizer, report)
@@ -227,7 +228,6 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
 def _finish(prepared: PreparedLoad, quantizer: Quantizer | None, report: LoadReport) -> None:
     """Check nothing is left on meta, dispatch the offloaded layers, and fill the report's numbers."""
     module = prepared.module
-    report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
     report.shard_bytes = shard_nbytes(module)
     check_no_meta(module, f"After loading {prepared.plan.files}")
     if prepared.placement is not None:

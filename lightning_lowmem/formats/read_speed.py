@@ -3,7 +3,7 @@
 ::
 
     measure_read_speed(paths)   chunks spread over the files, read with O_DIRECT: the storage itself, not the
-                                page cache (a file system that refuses O_DIRECT, such as tmpfs, is read plainly)
+                                page cache (a file system that refuses O_DIRECT is read plainly; tmpfs is memory)
 
 A forward of a model with layers on disk reads them all (``disk_offload``); bytes per token over this speed is
 what each token costs wherever reading is slower than computing. A file the page cache holds whole reads faster
@@ -95,7 +95,7 @@ def _read_spans(path: Path, spans: list[tuple[int, int]], buffer: mmap.mmap, dir
     if direct and hasattr(os, "O_DIRECT"):
         try:
             return _read_with(os.O_RDONLY | os.O_DIRECT, path, spans, buffer), True
-        except OSError:  # tmpfs and some others refuse O_DIRECT
+        except OSError:  # some file systems refuse O_DIRECT
             pass
     return _read_with(os.O_RDONLY, path, spans, buffer), False
 
