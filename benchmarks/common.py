@@ -15,7 +15,7 @@ import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -193,6 +193,37 @@ def environment(libraries: Sequence[str]) -> str:
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"machine: {platform.machine()}, {os.cpu_count()} cores, {ram:.0f} GiB RAM, {cuda}, "
             f"{platform.system()}\nversions: python {platform.python_version()}, " + ", ".join(versions))
+
+
+def compare(methods: Sequence[str], run: Callable[[str], dict], repeat: int) -> dict[str, list[dict] | str]:
+    """Each method run ``repeat`` times by ``run(method)`` (a fresh process each): its results, or its first error."""
+    results: dict[str, list[dict] | str] = {}
+    for method in methods:
+        runs = [run(method) for _ in range(repeat)]
+        errors = [r["error"] for r in runs if "error" in r]
+        results[method] = errors[0] if errors else runs
+    return results
+
+
+def comparison_rows(label: Sequence[str], reference: str, ours: str, results: dict[str, list[dict] | str]
+                    ) -> list[list[str]]:
+    """Two table rows, the reference method's and lightning_lowmem's: ``label``, the method, median seconds (and
+    range), median peak MiB (``"seconds"`` and ``"peak"`` of each run), and lightning_lowmem's over the reference."""
+    rows = []
+    for method in (reference, ours):
+        runs = results[method]
+        if isinstance(runs, str):
+            rows.append([*label, method, f"error: {runs}", "", ""])
+            continue
+        seconds, peaks = [r["seconds"] for r in runs], [r["peak"] for r in runs]
+        ratio = ""
+        if method == ours and not isinstance(results[reference], str):
+            ref = results[reference]
+            ratio = (f"{median(seconds) / median([r['seconds'] for r in ref]):.2f}x time, "
+                     f"{median(peaks) / max(median([r['peak'] for r in ref]), 1):.2f}x memory")
+        rows.append([*label, method, f"{median(seconds):.2f} ({spread(seconds, 2)})", f"{median(peaks) / MiB:.0f}",
+                     ratio])
+    return rows
 
 
 def markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -12,9 +12,17 @@ Paths:
   entry-point         ``lightning_lowmem.generate(dir, ...)``
 
 Each child reports its whole-process peak RSS (``VmHWM``), the KV-cache bytes
-the model held during generation and tokens/s; the table also has the estimate.
+the model held during generation and tokens/s; the table also has the estimate,
+and under it the estimate over each lightning_lowmem path's measured peak.
+
+With ``--gguf``: a SmolLM2-135M-Instruct-shaped GGUF file (Q4_1, random weights, a
+49k-token BPE vocabulary and the chat template in its header; ``gguf_files.py``)
+through ``lightning_lowmem.generate(file, <64 token ids>)`` (litgpt cannot load a
+GGUF file); the import floor then also imports transformers and gguf, which a GGUF
+load uses.
 
     python benchmarks/generate_memory.py [--workdir /tmp/lowmem-bench] [--quantize none bnb.nf4]
+    python benchmarks/generate_memory.py --gguf
 """
 
 from __future__ import annotations
@@ -30,10 +38,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from common import ROOT, WORKDIR, MiB, environment, markdown, peak_rss, random_state, run_fresh
+from gguf_files import SMOLLM, write_llama_gguf
 
 PATHS = ("litgpt-cli", "litgpt-api", "litgpt-api-patched", "script", "entry-point")
+OURS = ("script", "entry-point")
+GGUF_IMPORTS = ", transformers, transformers.modeling_gguf_pytorch_utils, transformers.integrations.ggml, gguf"
 PROMPT_TOKENS, NEW_TOKENS = 64, 50
 
 
@@ -86,9 +98,11 @@ def child(path: str, directory: Path, quantize: str | None) -> dict:
     elif path == "entry-point":
         import lightning_lowmem
 
-        result = lightning_lowmem.generate(directory, prompt_text(), max_new_tokens=NEW_TOKENS, top_k=1,
+        prompt = list(range(1, PROMPT_TOKENS + 1)) if directory.suffix == ".gguf" else prompt_text()
+        result = lightning_lowmem.generate(directory, prompt, max_new_tokens=NEW_TOKENS, top_k=1,
                                            quantize=quantize, precision="bf16-true")
-        out.update(new=result.new_tokens[0].tolist(), tokens_per_s=result.tokens_per_second)
+        out.update(new=result.new_tokens[0].tolist(), tokens_per_s=result.tokens_per_second,
+                   own_peak=result.memory.peak)
     else:
         out.update(_run_cli(path, directory, quantize))
     out["kv"] = kv_seen[0] if kv_seen else 0
@@ -135,21 +149,41 @@ def _run_cli(path: str, directory: Path, quantize: str | None) -> dict:
             "tokens_per_s": float(speed.group(1)) if speed else 0.0}
 
 
-def run_child(path: str, directory: Path, quantize: str | None) -> dict:
-    result = run_fresh(__file__, ["--child", path, "--workdir", str(directory.parent), "--model", directory.name,
-                                  "--quantize", quantize or "none"])
+def run_child(path: str, directory: Path, quantize: str | None, gguf: bool = False) -> dict:
+    flags = ["--gguf", "--workdir", str(directory.parent.parent)] if gguf else [
+        "--workdir", str(directory.parent), "--model", directory.name]
+    result = run_fresh(__file__, ["--child", path, *flags, "--quantize", quantize or "none"])
     return {"path": path, **result}
 
 
-def estimate(directory: Path, quantize: str | None) -> int:
+def estimate(directory: Path, quantize: str | None) -> Any:
+    """``estimate_memory`` of the request (a ``MemoryEstimate``)."""
     from lightning_lowmem import estimate_memory
 
-    est = estimate_memory(directory, quantize=quantize, max_seq_length=PROMPT_TOKENS + NEW_TOKENS,
-                          prompt_length=PROMPT_TOKENS)
-    return est.peak
+    return estimate_memory(directory, quantize=quantize, max_seq_length=PROMPT_TOKENS + NEW_TOKENS,
+                           prompt_length=PROMPT_TOKENS)
 
 
-def table(rows: list[dict], quantize: str | None, floor: int, est: int) -> str:
+def ratios(rows: list[dict], floor: int, est: Any) -> str:
+    """The estimate over the measured peaks of each lightning_lowmem path: the process's above the import floor
+    (the table's column), and generate()'s own (the call's peak above the RSS when it started, what the command
+    prints as "peak RSS +N above ..."): a GGUF file's tokenizer is built before that, so it is compared with the
+    estimate without its tokenizer line."""
+    lines = []
+    for r in rows:
+        if r["path"] not in OURS or "error" in r:
+            continue
+        measured = r["peak_rss"] - floor
+        lines.append(f"- estimate / measured peak, {r['path']}, the process above the import floor: "
+                     f"{est.peak / MiB:.1f} / {measured / MiB:.1f} MiB = {est.peak / measured:.3f}")
+        if r.get("own_peak"):
+            own = est.peak - est.tokenizer
+            lines.append(f"- estimate{' without the tokenizer' if est.tokenizer else ''} / measured peak, {r['path']}, "
+                         f"generate()'s own: {own / MiB:.1f} / {r['own_peak'] / MiB:.1f} MiB = {own / r['own_peak']:.3f}")
+    return "\n".join(lines)
+
+
+def table(rows: list[dict], quantize: str | None, floor: int, est: Any) -> str:
     ref = next((r["new"] for r in rows if "new" in r and r["path"] == "litgpt-cli"), None)
     out = []
     for r in rows:
@@ -159,15 +193,16 @@ def table(rows: list[dict], quantize: str | None, floor: int, est: int) -> str:
         same = "yes" if ref is not None and r["new"] == ref else ("-" if ref is None else "no")
         out.append([r["path"], f"{r['peak_rss'] / MiB:.0f}", f"{(r['peak_rss'] - floor) / MiB:.0f}",
                     f"{r['kv'] / MiB:.2f}", f"{r['tokens_per_s']:.1f}", same])
-    out.append(["`estimate_memory`", "", f"{est / MiB:.0f}", "", "", ""])
+    out.append(["`estimate_memory`", "", f"{est.peak / MiB:.0f}", "", "", ""])
     header = ["path", "peak RSS MiB (one run)", "peak - import floor MiB", "KV cache MiB", "tokens/s (one run)",
               "same tokens as CLI"]
-    return (f"\n### {quantize or 'bf16'} (import floor: `import torch, litgpt, lightning_lowmem` = "
-            f"{floor / MiB:.0f} MiB)\n\n" + markdown(header, out))
+    return (f"\n### {quantize or 'bf16'} (import floor {floor / MiB:.0f} MiB)\n\n" + markdown(header, out) + "\n\n"
+            + ratios(rows, floor, est))
 
 
-def import_floor() -> int:
-    code = ("import torch, litgpt, litgpt.api, lightning_lowmem\n"
+def import_floor(extra: str = "") -> int:
+    """Peak RSS of a process that imports torch, litgpt and lightning_lowmem (and ``extra``, ``", a, b"``)."""
+    code = (f"import torch, litgpt, litgpt.api, litgpt.generate.base, lightning_lowmem{extra}\n"
             "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM')))")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout)
@@ -179,22 +214,27 @@ def main() -> None:
     parser.add_argument("--model", default="pythia-1b")
     parser.add_argument("--quantize", nargs="+", default=["none", "bnb.nf4"])
     parser.add_argument("--paths", nargs="+", default=list(PATHS))
+    parser.add_argument("--gguf", action="store_true", help="a SmolLM2-135M-shaped Q4_1 GGUF file instead")
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     directory = args.workdir / args.model
+    if args.gguf:
+        directory = write_llama_gguf(args.workdir / "gguf-smollm2-135m" / "model.Q4_1.gguf", "Q4_1", **SMOLLM)
+        args.model, args.paths = directory.name, ["entry-point"]
     if args.child:
         quantize = None if args.quantize[0] == "none" else args.quantize[0]
         print(json.dumps(child(args.child, directory, quantize)))
         return
-    if not (directory / "lit_model.pth").is_file():
+    if not args.gguf and not (directory / "lit_model.pth").is_file():
         write_checkpoint(directory, args.model)
-    print(environment(["lightning", "litgpt", "bitsandbytes"]))
-    print(f"model: {args.model} config, random weights, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} new tokens, "
+    print(environment(["lightning", "litgpt", "bitsandbytes"] + (["transformers", "gguf"] if args.gguf else [])))
+    model = "SmolLM2-135M-shaped GGUF (Q4_1)" if args.gguf else f"{args.model} config"
+    print(f"model: {model}, random weights, {PROMPT_TOKENS}-token prompt + {NEW_TOKENS} new tokens, "
           "greedy, batch 1, CPU; each path one fresh process")
-    floor = import_floor()
+    floor = import_floor(GGUF_IMPORTS if args.gguf else "")
     for q in args.quantize:
         quantize = None if q == "none" else q
-        rows = [run_child(path, directory, quantize) for path in args.paths]
+        rows = [run_child(path, directory, quantize, args.gguf) for path in args.paths]
         print(table(rows, quantize, floor, estimate(directory, quantize)))
 
 

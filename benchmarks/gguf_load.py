@@ -1,22 +1,26 @@
-"""Loading GGUF files (Q8_0, Q4_0) into transformers' LlamaForCausalLM: lightning_lowmem against transformers.
+"""Loading GGUF files into transformers' LlamaForCausalLM: lightning_lowmem against transformers and the limits.
 
-    python benchmarks/gguf_load.py                  # 6 layers x 2048 dims, 32k vocabulary: 384 M parameters
+    python benchmarks/gguf_load.py                   # 6 layers x 2048 dims, 32k vocabulary (402 M parameters), Q8_0 and Q4_0
+    python benchmarks/gguf_load.py --preset smollm   # SmolLM2-135M's shapes as Q4_1 (82 MiB, a 49k-token vocabulary)
     python benchmarks/gguf_load.py --layers 2 --repeat 1
 
-The model is a Llama (GQA 16/4 heads) with random weights, written once under ``--workdir`` with gguf's
-``GGUFWriter`` as llama.cpp's converter lays it out (names, F32 norms, the 2-d weights quantized by gguf's
-own quantizers), one tensor at a time. Every method runs in a fresh process, the file read into the page
-cache just before; the model's dtype is bf16. Methods:
+The model is a Llama (GQA) with random weights, written once under ``--workdir`` (``gguf_files.py``: names, F32
+norms, 2-d weights quantized by gguf's own quantizers, a BPE vocabulary of the model's size in the header). Every
+method runs in a fresh process, the file read into the page cache just before; the model's dtype is bf16. Methods:
 
 - ``transformers``: ``AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.bfloat16)``
   (it dequantizes every tensor to float32 into one state dict, then loads it);
 - ``lowmem``: ``gguf_config`` + ``LlamaForCausalLM`` built under ``init_empty()`` + ``gguf_to_transformers``
-  + ``load_checkpoint(dtype=torch.bfloat16)`` (each tensor dequantized, converted and cast on its own);
-- ``lowmem int8wo``: the same with ``quantize="torchao.int8wo"``: each Linear quantized again as it is read.
+  + ``load_checkpoint(dtype=torch.bfloat16)`` (each tensor dequantized, un-permuted and cast a block of rows at a
+  time into its final tensor);
+- ``lowmem int8wo``: the same with ``quantize="torchao.int8wo"``: each Linear quantized again as it is read;
+- ``read + dequantize`` (the limit): the header parsed and every tensor read and dequantized to float32 by this
+  library's reader, then dropped: what any GGUF load has to do.
 
-Columns: peak RSS above a bare ``import torch`` process (the floor; transformers and lightning_lowmem are
-imported before the measured block, so their import counts here), peak RSS above the RSS just before the
-load, as MiB and as a multiple of the final bf16 model; the load's seconds (config, build and load).
+Columns: peak RSS above a bare ``import torch`` process (the floor; transformers and lightning_lowmem are imported
+before the measured block, so their import counts here), peak RSS above the RSS just before the load, as MiB and as
+a multiple of the final bf16 model; the load's seconds (config, build and load). Under the table, the limits:
+time 2 x ``read + dequantize``; load peak: the final model + its largest tensor in bf16 + 64 MiB.
 """
 
 from __future__ import annotations
@@ -29,56 +33,10 @@ from pathlib import Path
 
 from common import WORKDIR, MiB, bare_torch_floor, environment, markdown, median, peak_rss, run_fresh, spread
 from common import warm_page_cache
+from gguf_files import SMOLLM, tensor_shapes, write_llama_gguf
 
-METHODS = ("transformers", "lowmem", "lowmem int8wo")
-KINDS = ("Q8_0", "Q4_0")
-
-
-def shapes(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int) -> dict:
-    """GGUF name -> shape in torch's order (out, in), in llama.cpp's order of writing."""
-    kv = hidden // heads * kv_heads
-    out = {"token_embd.weight": (vocab, hidden)}
-    for i in range(layers):
-        out |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.attn_q.weight": (hidden, hidden),
-                f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_v.weight": (kv, hidden),
-                f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_norm.weight": (hidden,),
-                f"blk.{i}.ffn_gate.weight": (intermediate, hidden), f"blk.{i}.ffn_up.weight": (intermediate, hidden),
-                f"blk.{i}.ffn_down.weight": (hidden, intermediate)}
-    return out | {"output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
-
-
-def write_gguf(path: Path, kind: str, args: argparse.Namespace) -> Path:
-    """A random-weight Llama as a GGUF file of ``kind``, written tensor by tensor (never whole in memory)."""
-    import gguf
-    import numpy as np
-
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    qtype, rng = gguf.GGMLQuantizationType[kind], np.random.default_rng(0)
-    tensors = shapes(args.layers, args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab)
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, "llama")
-    for add, value in [("add_name", "bench-llama"), ("add_context_length", 2048), ("add_embedding_length", args.hidden),
-                       ("add_block_count", args.layers), ("add_feed_forward_length", args.intermediate),
-                       ("add_rope_dimension_count", args.hidden // args.heads), ("add_head_count", args.heads),
-                       ("add_head_count_kv", args.kv_heads), ("add_layer_norm_rms_eps", 1e-5),
-                       ("add_rope_freq_base", 10000.0), ("add_vocab_size", args.vocab),
-                       ("add_file_type", getattr(gguf.LlamaFileType, "MOSTLY_" + kind))]:
-        getattr(writer, add)(value)
-    for name, shape in tensors.items():
-        t = qtype if len(shape) == 2 else gguf.GGMLQuantizationType.F32
-        block, size = gguf.GGML_QUANT_SIZES[t]
-        writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) // block * size, raw_dtype=t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, shape in tensors.items():
-        data = (rng.standard_normal(shape, dtype=np.float32) * 0.02) if len(shape) == 2 else np.ones(shape, np.float32)
-        writer.write_tensor_data(gguf.quants.quantize(data, qtype) if len(shape) == 2 else data)
-    writer.close()
-    tmp.rename(path)
-    return path
+METHODS = ("transformers", "lowmem", "lowmem int8wo", "read + dequantize")
+LIMIT = "read + dequantize"
 
 
 def child(method: str, path: Path) -> dict:
@@ -88,10 +46,16 @@ def child(method: str, path: Path) -> dict:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imported before the block)
     import transformers.modeling_gguf_pytorch_utils  # noqa: F401
 
-    from lightning_lowmem import MemoryMonitor, gguf_config, gguf_to_transformers, init_empty, load_checkpoint
+    from lightning_lowmem import Checkpoint, MemoryMonitor, gguf_config, gguf_to_transformers, init_empty
+    from lightning_lowmem import load_checkpoint
 
+    final = 0
     with MemoryMonitor() as mon:
-        if method == "transformers":
+        if method == LIMIT:
+            with Checkpoint.open(path) as ckpt:
+                for key in ckpt.records:
+                    ckpt.read(key)
+        elif method == "transformers":
             model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                       dtype=torch.bfloat16)
         else:
@@ -101,12 +65,13 @@ def child(method: str, path: Path) -> dict:
             load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform,
                             dtype=torch.bfloat16, quantize="torchao.int8wo" if method.endswith("int8wo") else None,
                             progress=False)
-    final = sum(p.numel() * 2 for p in model.parameters())  # the bf16 model
+    if method != LIMIT:
+        final = sum(p.numel() * 2 for p in model.parameters())  # the bf16 model
     return {"lifetime_peak": peak_rss(), "load_delta": mon.usage.rss_peak_delta, "seconds": mon.usage.seconds,
             "final": final}
 
 
-def table(runs: dict[tuple[str, str], list[dict]], floor: int, repeat: int) -> str:
+def table(runs: dict[tuple[str, str], list[dict]], floor: int, repeat: int, final: int) -> str:
     header = ["file", "method", f"peak above floor, MiB (max of {repeat})", f"load peak, MiB (max of {repeat})",
               "load peak / bf16 model", f"seconds (median of {repeat})", f"seconds (min-max of {repeat})"]
     rows = []
@@ -117,9 +82,27 @@ def table(runs: dict[tuple[str, str], list[dict]], floor: int, repeat: int) -> s
             continue
         peak, load = max(r["lifetime_peak"] for r in ok), max(r["load_delta"] for r in ok)
         seconds = [r["seconds"] for r in ok]
-        rows.append([kind, method, f"{(peak - floor) / MiB:.0f}", f"{load / MiB:.0f}", f"{load / ok[0]['final']:.2f}",
-                     f"{median(seconds):.1f}", spread(seconds)])
+        rows.append([kind, method, f"{(peak - floor) / MiB:.0f}", f"{load / MiB:.0f}", f"{load / final:.2f}",
+                     f"{median(seconds):.2f}", spread(seconds, 2)])
     return markdown(header, rows)
+
+
+def limits(runs: dict[tuple[str, str], list[dict]], kinds: list[str], final: int, largest: int) -> str:
+    """Per file: lightning_lowmem's bf16 load against the limits (time: 2 x reading and dequantizing; peak: the
+    final model + its largest tensor in bf16 + 64 MiB)."""
+    lines = []
+    for kind in kinds:
+        ours, limit = runs.get((kind, "lowmem"), []), runs.get((kind, LIMIT), [])
+        ours, limit = [r for r in ours if "error" not in r], [r for r in limit if "error" not in r]
+        if not ours or not limit:
+            continue
+        seconds, floor_seconds = median([r["seconds"] for r in ours]), median([r["seconds"] for r in limit])
+        peak, bound = max(r["load_delta"] for r in ours), final + largest + 64 * MiB
+        lines.append(f"- {kind}: lightning_lowmem {seconds:.2f} s = {seconds / floor_seconds:.2f} x reading and "
+                     f"dequantizing ({floor_seconds:.2f} s; limit 2 x); load peak {peak / MiB:.0f} MiB against the "
+                     f"limit {bound / MiB:.0f} MiB (final {final / MiB:.0f} + largest bf16 tensor "
+                     f"{largest / MiB:.0f} + 64)")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -127,6 +110,8 @@ def main() -> None:
     for flag, default in [("layers", 6), ("hidden", 2048), ("intermediate", 5632), ("heads", 16), ("kv_heads", 4),
                           ("vocab", 32000), ("repeat", 3)]:
         parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--kinds", nargs="+", default=["Q8_0", "Q4_0"])
+    parser.add_argument("--preset", choices=["smollm"], default=None, help="SmolLM2-135M's shapes, tied, as Q4_1")
     parser.add_argument("--workdir", type=Path, default=WORKDIR)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
@@ -134,26 +119,39 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.path)))
         return
+    shape = dict(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                 kv_heads=args.kv_heads, vocab=args.vocab, tie=False)
+    if args.preset == "smollm":
+        shape, args.kinds = dict(SMOLLM), ["Q4_1"]
+    run(args, shape)
+
+
+def run(args: argparse.Namespace, shape: dict) -> None:
     t0 = time.perf_counter()
-    name = f"gguf-llama-{args.layers}x{args.hidden}-{args.vocab}"
-    paths = {kind: write_gguf(args.workdir / name / f"model.{kind}.gguf", kind, args) for kind in KINDS}
+    name = (f"gguf-llama-{shape['layers']}x{shape['hidden']}-{shape['vocab']}-{shape.get('context', 2048)}"
+            + ("-tied" if shape["tie"] else ""))
+    paths = {kind: write_llama_gguf(args.workdir / name / f"model.{kind}.gguf", kind, **shape) for kind in args.kinds}
     floor = bare_torch_floor()
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeat):  # rounds, so that a disturbance hits one run of each method, not all of one
-        for kind in KINDS:
+        for kind in args.kinds:
             for method in METHODS:
                 warm_page_cache(paths[kind])
                 runs.setdefault((kind, method), []).append(
                     run_fresh(__file__, ["--child", method, "--path", str(paths[kind])], timeout=1800))
                 print(f"  ran {kind} / {method}", file=sys.stderr)
-    final = next((r["final"] for results in runs.values() for r in results if "final" in r), 0)
+    final = next((r["final"] for results in runs.values() for r in results if r.get("final")), 0)
+    largest = max(2 * (rows * cols) for rows, cols in
+                  (s for s in tensor_shapes(**shape).values() if len(s) == 2))
     print(environment(["transformers", "gguf", "torchao", "numpy"]))
-    sizes = ", ".join(f"{kind} file {paths[kind].stat().st_size / MiB:.0f} MiB" for kind in KINDS)
-    print(f"model: Llama, {args.layers} layers x {args.hidden} dims, {args.heads}/{args.kv_heads} heads, MLP "
-          f"{args.intermediate}, vocabulary {args.vocab}, random weights; bf16 model {final / MiB:.0f} MiB; {sizes}; "
-          f"floor: a bare `import torch` process peaks at {floor / MiB:.0f} MiB")
+    sizes = ", ".join(f"{kind} file {paths[kind].stat().st_size / MiB:.0f} MiB" for kind in args.kinds)
+    print(f"model: Llama, {shape['layers']} layers x {shape['hidden']} dims, {shape['heads']}/{shape['kv_heads']} "
+          f"heads, MLP {shape['intermediate']}, vocabulary {shape['vocab']} (BPE, with its merges, in the header), "
+          f"{'tied, ' if shape['tie'] else ''}random weights; bf16 model {final / MiB:.0f} MiB; {sizes}; floor: a "
+          f"bare `import torch` process peaks at {floor / MiB:.0f} MiB")
     print(f"page cache warm before each run; {args.repeat} fresh process(es) per method, in rounds\n")
-    print(table(runs, floor, args.repeat))
+    print(table(runs, floor, args.repeat, final or 1))
+    print("\nlimits:\n" + limits(runs, args.kinds, final, largest))
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)")
 
 

@@ -64,17 +64,17 @@ def owner_of(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def assign(module: nn.Module, names: list[str], tensor: torch.Tensor, is_parameter: bool) -> None:
     """Put ``tensor`` under every name in ``names`` (tied names share one object)."""
-    owner, leaf = owner_of(module, names[0])
+    first, leaf = owner_of(module, names[0])
     if is_parameter:
-        old = owner._parameters[leaf]
+        old = first._parameters[leaf]
         if old is not None and not old.is_meta and old.device == tensor.device and old.dtype == tensor.dtype:
             old.data = tensor  # keep the Parameter object: optimizers and ties refer to it
             return
         value: torch.Tensor = nn.Parameter(tensor, requires_grad=old.requires_grad if old is not None else True)
     else:
         value = tensor
-    for name in names:
-        owner, leaf = owner_of(module, name)
+    for i, name in enumerate(names):
+        owner, leaf = (first, leaf) if i == 0 else owner_of(module, name)
         (owner._parameters if is_parameter else owner._buffers)[leaf] = value
 
 

@@ -911,6 +911,32 @@ GGUF_TOKENS = (["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] +
                   "lo", "▁hello"])
 
 
+CHAT_TEMPLATE = (  # SmolLM2-Instruct's chat template (ChatML with a default system turn)
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@functools.cache
+def bpe_chat_vocabulary() -> tuple[list[str], list[str]]:
+    """``(tokens, merges)`` of a byte-level BPE trained by ``tokenizers`` on a few chat sentences (368 tokens), its
+    special tokens first as SmolLM2's: ``<|endoftext|>`` 0, ``<|im_start|>`` 1 (its BOS), ``<|im_end|>`` 2 (EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = ["What is the capital of France? The capital of France is Paris.",
+            "Hello world, how are you today? I am fine, thank you.",
+            "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "system user assistant"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(text, trainer)
+    model = json.loads(tokenizer.to_str())["model"]
+    tokens = [token for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1])]
+    return tokens, [" ".join(pair) for pair in model["merges"]]
+
+
 def _llama_permute(weights, n_head: int, n_head_kv: int):
     """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): q and k rows reordered for its RoPE kernel."""
     if n_head_kv is not None and n_head != n_head_kv:
@@ -919,11 +945,13 @@ def _llama_permute(weights, n_head: int, n_head_kv: int):
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def _gguf_metadata(writer, config, kind: str, vocab: bool) -> None:
-    """The fields convert_hf_to_gguf.py writes for a Llama (``LlamaModel.set_gguf_parameters``, ``_set_vocab_sentencepiece``)."""
+def _gguf_metadata(writer, config, kind: str, vocab: bool | str, name: str = "tiny-llama") -> None:
+    """The fields convert_hf_to_gguf.py writes for a Llama (``LlamaModel.set_gguf_parameters``,
+    ``_set_vocab_sentencepiece``; ``vocab="bpe"``: ``_set_vocab_gpt2`` with SmolLM2's special tokens and chat
+    template)."""
     import gguf
 
-    writer.add_name("tiny-llama")
+    writer.add_name(name)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -935,7 +963,19 @@ def _gguf_metadata(writer, config, kind: str, vocab: bool) -> None:
     writer.add_rope_freq_base(10000.0)
     writer.add_file_type(getattr(gguf.LlamaFileType, "MOSTLY_" + kind))
     writer.add_vocab_size(config.vocab_size)
-    if vocab:
+    if vocab == "bpe":
+        tokens, merges = bpe_chat_vocabulary()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_pad_token_id(2)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template(CHAT_TEMPLATE)
+    elif vocab:
         n = len(GGUF_TOKENS)
         writer.add_tokenizer_model("llama")
         writer.add_token_list(GGUF_TOKENS)
@@ -948,9 +988,11 @@ def _gguf_metadata(writer, config, kind: str, vocab: bool) -> None:
         writer.add_add_bos_token(True)
 
 
-def _write_gguf(path: Path, model: nn.Module, kind: str, vocab: bool) -> None:
+def _write_gguf(path: Path, model: nn.Module, kind: str, vocab: bool | str, fields: dict | None = None,
+                name: str = "tiny-llama") -> None:
     """``model`` (a transformers LlamaForCausalLM) as llama.cpp's converter writes it: names from gguf's tensor-name
-    map, q and k permuted, 1-d tensors in F32, the others in ``kind`` (F16, Q8_0, Q4_0: gguf's own quantizers)."""
+    map, q and k permuted, 1-d tensors in F32, the others in ``kind`` (F16, Q8_0, Q4_0: gguf's own quantizers);
+    ``fields`` then put over the metadata (a str, bool, float, int or list value: gguf's writer for its type)."""
     import gguf
     import numpy as np
 
@@ -958,15 +1000,17 @@ def _write_gguf(path: Path, model: nn.Module, kind: str, vocab: bool) -> None:
     qtype = gguf.GGMLQuantizationType[kind]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, "llama")
-    _gguf_metadata(writer, config, kind, vocab)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+    _gguf_metadata(writer, config, kind, vocab, name)
+    for key, value in (fields or {}).items():
+        _put_field(writer, key, value)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # a tied head is not written: the embedding is the head
         data = tensor.float().numpy()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            kv = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            kv = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
             data = _llama_permute(data, config.num_attention_heads, kv)
-        key = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        key = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if data.ndim == 1:
             writer.add_tensor(key, data.astype(np.float32))
         elif kind == "F16":
@@ -979,19 +1023,38 @@ def _write_gguf(path: Path, model: nn.Module, kind: str, vocab: bool) -> None:
     writer.close()
 
 
+def _put_field(writer, key: str, value) -> None:
+    """``key = value`` in a GGUFWriter's metadata (over a field already there), typed as gguf's writer types it."""
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, int):
+        writer.add_uint64(key, value) if value >= 2**32 else writer.add_uint32(key, value) if value >= 0 \
+            else writer.add_int32(key, value)
+    else:
+        writer.add_array(key, value)
+
+
 @pytest.fixture(scope="session")
 def write_gguf():
     """``write_gguf(path, kind="Q8_0", *, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, tie=False,
-    vocab=True, seed=0, std=0.3)``: a transformers ``LlamaForCausalLM`` (weights drawn from N(0, std); std=None
-    keeps transformers' init) written to ``path`` as llama.cpp's converter writes it (``kind``: F16, Q8_0, Q4_0),
-    with a 303-token SentencePiece vocabulary unless ``vocab=False``; returns the model."""
+    vocab=True, seed=0, std=0.3, fields=None, name="tiny-llama")``: a transformers ``LlamaForCausalLM`` (weights
+    drawn from N(0, std); std=None keeps transformers' init) written to ``path`` as llama.cpp's converter writes it
+    (``kind``: F16, Q8_0, Q4_0), with a 303-token SentencePiece vocabulary (``vocab="bpe"``: SmolLM2-style byte-level
+    BPE, 368 tokens, with its chat template; ``vocab=False``: none) and ``fields`` over its metadata; returns the
+    model."""
     def write(path: Path, kind: str = "Q8_0", *, hidden: int = 64, intermediate: int = 128, layers: int = 2,
-              heads: int = 4, kv_heads: int = 2, tie: bool = False, vocab: bool = True, seed: int = 0,
-              std: float | None = 0.3, vocab_size: int | None = None) -> nn.Module:
+              heads: int = 4, kv_heads: int = 2, tie: bool = False, vocab: bool | str = True, seed: int = 0,
+              std: float | None = 0.3, vocab_size: int | None = None, fields: dict | None = None,
+              name: str = "tiny-llama") -> nn.Module:
         import transformers
 
+        tokens = len(bpe_chat_vocabulary()[0]) if vocab == "bpe" else len(GGUF_TOKENS)
         config = transformers.LlamaConfig(
-            vocab_size=vocab_size or len(GGUF_TOKENS), hidden_size=hidden, intermediate_size=intermediate,
+            vocab_size=vocab_size or tokens, hidden_size=hidden, intermediate_size=intermediate,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tie)
         torch.manual_seed(seed)
@@ -1001,7 +1064,7 @@ def write_gguf():
                 for p in model.parameters():
                     p.normal_(0, std)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_gguf(path, model, kind, vocab)
+        _write_gguf(path, model, kind, vocab, fields, name)
         return model
 
     return write
@@ -1014,6 +1077,110 @@ def tiny_gguf(tmp_path_factory, write_gguf) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("gguf")
     return {kind: (write_gguf(directory / f"tiny-{kind}.gguf", kind), directory / f"tiny-{kind}.gguf")[1]
             for kind in ("F16", "Q8_0", "Q4_0")}
+
+
+@pytest.fixture(scope="session")
+def write_gguf_tensors():
+    """``write_gguf_tensors(path, architecture, tensors, fields=None)``: a GGUF file of ``tensors`` (name -> numpy
+    array, or ``(array, ggml type)`` for bytes stored as that type) and ``fields``, written by gguf's GGUFWriter."""
+    def write(path: Path, architecture: str, tensors: dict, fields: dict | None = None) -> Path:
+        import gguf
+
+        writer = gguf.GGUFWriter(path, architecture)
+        for key, value in (fields or {}).items():
+            _put_field(writer, key, value)
+        for name, tensor in tensors.items():
+            data, raw = tensor if isinstance(tensor, tuple) else (tensor, None)
+            writer.add_tensor(name, data, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def gguf_chat_model(tmp_path_factory, write_gguf) -> Path:
+    """A tiny tied Llama chat model as Q8_0 with SmolLM2's byte-level BPE vocabulary, special tokens
+    (``<|im_start|>`` its BOS, not added to prompts) and chat template, alone in its directory."""
+    path = tmp_path_factory.mktemp("gguf-chat") / "chat.Q8_0.gguf"
+    write_gguf(path, "Q8_0", vocab="bpe", tie=True, name="tiny chat")
+    return path
+
+
+SMOLLM_SHAPE = dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
+"""SmolLM2-135M's shapes (litgpt's ``SmolLM2-135M-Instruct``)."""
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf(tmp_path_factory) -> Path:
+    """A SmolLM2-135M-Instruct-shaped GGUF file (82 MiB): its header as a converter writes it (names, counts, a
+    49,152-token byte-level BPE vocabulary with 48,893 merges, the chat template), 2-d weights in Q4_1 and norms in
+    F32, tied, all bytes zero: for what reads headers only (inspect, estimate)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("smollm") / "smollm2-135m-instruct.Q4_1.gguf"
+    shape = SMOLLM_SHAPE
+    tokens, merges = _synthetic_bpe(shape["vocab"])
+    writer = gguf.GGUFWriter(path, "llama")
+    for add, value in [("add_name", "SmolLM2 135M Instruct"), ("add_context_length", 8192),
+                       ("add_embedding_length", shape["hidden"]), ("add_block_count", shape["layers"]),
+                       ("add_feed_forward_length", shape["intermediate"]), ("add_head_count", shape["heads"]),
+                       ("add_rope_dimension_count", shape["hidden"] // shape["heads"]),
+                       ("add_head_count_kv", shape["kv_heads"]), ("add_layer_norm_rms_eps", 1e-5),
+                       ("add_rope_freq_base", 100000.0), ("add_vocab_size", shape["vocab"]),
+                       ("add_tokenizer_model", "gpt2"), ("add_token_list", tokens), ("add_token_merges", merges),
+                       ("add_bos_token_id", 1), ("add_eos_token_id", 2), ("add_add_bos_token", False),
+                       ("add_chat_template", CHAT_TEMPLATE)]:
+        getattr(writer, add)(value)
+    for name, dims in _llama_tensors(shape).items():
+        qtype = gguf.GGMLQuantizationType.Q4_1 if len(dims) == 2 else gguf.GGMLQuantizationType.F32
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) // block * size, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims in _llama_tensors(shape).items():
+        qtype = gguf.GGMLQuantizationType.Q4_1 if len(dims) == 2 else gguf.GGMLQuantizationType.F32
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        writer.write_tensor_data(np.zeros(int(np.prod(dims)) // block * size, np.uint8))
+    writer.close()
+    return path
+
+
+def _synthetic_bpe(size: int) -> tuple[list[str], list[str]]:
+    """A byte-level BPE vocabulary of ``size`` tokens (3 special, the 256 byte symbols, then merged pairs) and its
+    merges, each merge of two tokens already in the vocabulary."""
+    from tokenizers import pre_tokenizers
+
+    base = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *base]
+    seen, merges, i = set(tokens), [], 0
+    while len(tokens) < size:
+        left, right = tokens[3 + i % (len(tokens) - 3)], base[(i * 7) % len(base)]
+        i += 1
+        if left + right not in seen:
+            seen.add(left + right)
+            tokens.append(left + right)
+            merges.append(f"{left} {right}")
+    return tokens, merges
+
+
+def _llama_tensors(shape: dict) -> dict[str, tuple[int, ...]]:
+    """A tied Llama's GGUF tensors (torch's order, rows first) in llama.cpp's order of writing."""
+    hidden, kv = shape["hidden"], shape["hidden"] // shape["heads"] * shape["kv_heads"]
+    out = {"token_embd.weight": (shape["vocab"], hidden)}
+    for i in range(shape["layers"]):
+        out |= {f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.attn_q.weight": (hidden, hidden),
+                f"blk.{i}.attn_k.weight": (kv, hidden), f"blk.{i}.attn_v.weight": (kv, hidden),
+                f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_norm.weight": (hidden,),
+                f"blk.{i}.ffn_gate.weight": (shape["intermediate"], hidden),
+                f"blk.{i}.ffn_up.weight": (shape["intermediate"], hidden),
+                f"blk.{i}.ffn_down.weight": (hidden, shape["intermediate"])}
+    return out | {"output_norm.weight": (hidden,)}
 
 
 @pytest.fixture(params=["F16", "Q8_0", "Q4_0"])

@@ -117,10 +117,10 @@ def test_first_forward_gives_its_temporaries_back(large_checkpoint, child_env, s
     """A quantized layer's first CPU forward frees temporaries that would stay resident without the hooks.
 
     Measured here (10 layers, a 1 x 16 batch), RSS kept after the first forward without / with the
-    hooks: bnb.nf4 65-92 / 11.5-12.9 MiB; bnb.int8 55-140 / 6.5-12.4 MiB; torchao.int8wo 30.5-38.8 /
-    11.3-11.6 MiB. What is kept without the hooks varies with the heap's state; with them it is at most
-    0.38x of that. The bounds: at most 24 MiB kept, and at most 0.6x of what is kept without the hooks
-    (without the hooks both runs keep about the same).
+    hooks: bnb.nf4 65-92 / 11.5-12.9 MiB; bnb.int8 55-140 / 6.5-12.4 MiB; torchao.int8wo 15.5-38.9 /
+    7.6-11.7 MiB. What is kept without the hooks varies with the heap's state (torchao.int8wo kept 15.5-16 MiB
+    in some runs: then there is little to give back); with them it is at most 0.38x of the larger values.
+    The bounds: at most 24 MiB kept, and, when more than that is kept without the hooks, at most 0.6x of it.
     """
     path, _ = large_checkpoint
 
@@ -135,4 +135,30 @@ def test_first_forward_gives_its_temporaries_back(large_checkpoint, child_env, s
     if scheme == "bnb.nf4" and untrimmed < 32 * 2**20:
         pytest.skip(f"bitsandbytes kept only {untrimmed / 2**20:.0f} MiB here: no 4-bit repack on this CPU")
     assert trimmed <= 24 * 2**20
-    assert trimmed <= 0.6 * untrimmed
+    if untrimmed > 24 * 2**20:  # the first forward left temporaries behind: the hooks give most of them back
+        assert trimmed <= 0.6 * untrimmed
+
+
+def test_the_collector_is_paused_for_a_plain_load_and_runs_again_after_it_even_on_an_error(tmp_path, monkeypatch):
+    import gc
+
+    from safetensors.torch import save_file
+
+    from lightning_lowmem import Checkpoint, CheckpointMismatchError, init_empty, load_checkpoint
+
+    save_file({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, tmp_path / "model.safetensors")
+    seen = []
+    real_read = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read",
+                        lambda self, *a, **kw: seen.append(gc.isenabled()) or real_read(self, *a, **kw))
+    with init_empty():
+        layer = torch.nn.Linear(2, 2)
+    load_checkpoint(layer, tmp_path / "model.safetensors")
+    assert seen == [False, False] and gc.isenabled()
+    with init_empty():  # a transform may leave reference cycles: the collector keeps running
+        layer = torch.nn.Linear(2, 2)
+    load_checkpoint(layer, tmp_path / "model.safetensors", transform=lambda n, t: seen.append(gc.isenabled()) or t)
+    assert seen[2:] == [True] * 4 and gc.isenabled()
+    with pytest.raises(CheckpointMismatchError), init_empty():
+        load_checkpoint(torch.nn.Linear(3, 2), tmp_path / "model.safetensors")
+    assert gc.isenabled()

@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.patch import patch_litgpt
 
     check_budgets(args, args.parser)
-    model, tokenizer, config, report, directory = _load(Path(args.checkpoint), args)
+    model, tokenizer, found, report = _load(Path(args.checkpoint), args)
+    config = found.config
     print(report, file=sys.stderr)
-    prompt_style = _prompt_style(directory, config)
+    prompt_style = _prompt_style(found)
     exit_instruction = ("To exit, enter '!quit' or '!exit' on an empty prompt and press 'Enter'." if args.multiline
                         else "To exit, press 'Enter' on an empty prompt.")
     print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
@@ -88,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Path]:
-    """``(model, tokenizer, config, load report, directory)``; no tokenizer is an error before any weight is
-    read."""
+def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """``(model, tokenizer, what LitgptCheckpoint.find found, load report)``; no tokenizer is an error before any
+    weight is read."""
     from lightning_lowmem.errors import CheckpointNotFoundError
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import load_for_generation
@@ -103,13 +104,14 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Pat
     model, tokenizer, report = load_for_generation(found, quantize=args.quantize, precision=args.precision,
                                                    device=None if args.max_memory else default_device(args.device),
                                                    max_memory=args.max_memory, disk_offload=args.disk_offload or None)
-    return model, tokenizer, found.config, report, found.directory
+    return model, tokenizer, found, report
 
 
-def _prompt_style(directory: Path, config: Any) -> Any:
+def _prompt_style(found: Any) -> Any:
+    """The directory's prompt style, a GGUF file's own chat template, or litgpt's for the config's name."""
     from lightning_lowmem.cli.prompts import prompt_style_for
 
-    return prompt_style_for(directory, config)
+    return prompt_style_for(found.directory, found.config, found.gguf)
 
 
 def _seed() -> None:

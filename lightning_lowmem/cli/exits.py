@@ -1,10 +1,10 @@
 """Exit codes, and how an error is told on stderr.
 
 * 0: done.
-* 1: a checkpoint error: missing, unreadable, unsafe, or not fitting its config; a memory budget
-  that cannot hold the model; a device that is not there; an output directory that cannot be
-  written (not writable, too little free space, a full disk, weight files there this library did
-  not write: ``SaveError``) (any other ``LowMemError``).
+* 1: a checkpoint error: missing, unreadable, unsafe, or not fitting its config (a config file that cannot be
+  read included); a memory budget that cannot hold the model; a device that is not there; an output
+  directory that cannot be written (not writable, too little free space, a full disk, weight files there
+  this library did not write: ``SaveError``) (any other ``LowMemError``).
 * 2: a bad argument: a flag argparse refuses, an unknown quantization scheme, a prompt the
   checkpoint cannot take, no litgpt config found (``ValueError`` / ``TypeError``).
 """
@@ -21,8 +21,9 @@ EXIT_ARGUMENT = 2
 
 EXIT_CODES = """exit codes:
   0  done
-  1  a checkpoint error (missing, unreadable, or not fitting its config), a memory budget or a device error,
-     or --out cannot be written (not writable, too little free space, weight files it did not write)
+  1  a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot be read),
+     a memory budget or a device error, or --out cannot be written (not writable, too little free space,
+     weight files it did not write)
   2  a bad argument (a flag, a quantization scheme, a prompt the checkpoint cannot take, or no litgpt config
      found: pass --config)"""
 

@@ -1,7 +1,8 @@
 """``lightning-lowmem generate``: what ``litgpt generate`` does, with the model loaded by lightning_lowmem.
 
 As litgpt 0.5.13's ``litgpt/generate/base.py:main``: the directory's prompt style
-(``prompt_style.yaml``, else the one litgpt picks from the config's name) is applied to
+(``prompt_style.yaml``, else a GGUF file's own chat template, else the one litgpt picks from the
+config's name) is applied to
 the prompt with ``--sys_prompt``; the generator is seeded with 1234; generation stops at
 the tokenizer's ``eos_id``; each sample's ``tokenizer.decode`` goes to stdout and the
 timings to stderr. The model is streamed in (quantized on load, on CPU too) and the KV
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
         from lightning_lowmem.cli.prompts import prompt_style_for
 
-        prompt = prompt_style_for(found.directory, found.config).apply(prompt, sys_prompt=args.sys_prompt)
+        prompt = prompt_style_for(found.directory, found.config, found.gguf).apply(prompt, sys_prompt=args.sys_prompt)
     result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
                       num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),

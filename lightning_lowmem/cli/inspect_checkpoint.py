@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 
     path = Path(args.checkpoint).expanduser()
-    found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False)
+    found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False,
+                                  tokenizer=False)
     model = build_meta_gpt(found.config) if found.config is not None else None
     with resolved(found.chosen, model, LoadOptions()) as source:
         summary = summarize(path, source)
@@ -95,13 +96,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(path: Path, source: Source) -> Summary:
-    """Format, files, tensors, dtypes and bytes of a resolved checkpoint; which weights were chosen and why."""
+    """Format, files, tensors, dtypes and bytes of a resolved checkpoint, and which weights were chosen and why:
+    dtypes and bytes as stored (a GGUF file's ggml types, ``Q4_1``, ``F16``, ..., with the bytes the file holds
+    for them)."""
     ckpt = source.checkpoint
     files = [{"path": str(f.path), "format": _format_of(f), "bytes": f.path.stat().st_size} for f in ckpt.files]
+    as_stored = ckpt.gguf.stored_types() if ckpt.gguf is not None else {}
     counts: Counter[str] = Counter()
     nbytes: Counter[str] = Counter()
     for record in ckpt.records.values():
-        dtype = str(record.dtype).removeprefix("torch.")
+        dtype = as_stored.get(record.key) or str(record.dtype).removeprefix("torch.")
         counts[dtype] += 1
         nbytes[dtype] += record.nbytes
     dtypes = {d: {"tensors": counts[d], "bytes": nbytes[d]} for d in sorted(counts, key=lambda d: -nbytes[d])}

@@ -172,13 +172,16 @@ def config_argument(value: str | None) -> Any | None:
 
     Raises:
         ValueError: neither an existing file nor a litgpt model name.
+        CheckpointFormatError: the file is not a litgpt config.
     """
     if value is None:
         return None
     Config = import_litgpt(needed_by="lightning-lowmem --config").Config
 
+    from lightning_lowmem.litgpt.checkpoint_dir import config_from_file
+
     if Path(value).expanduser().is_file():
-        return Config.from_file(Path(value).expanduser())
+        return config_from_file(Path(value).expanduser())
     try:
         return Config.from_name(value)
     except ValueError as e:

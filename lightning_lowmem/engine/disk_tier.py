@@ -46,6 +46,7 @@ from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.plan.conversions import Transform
 
+
 @dataclass
 class DiskStats:
     """What the disk tier did. ``prefetch_hits``: layers whose read started before their forward (a full overlap when
@@ -76,7 +77,7 @@ def open_disk_tier(prepared: PreparedLoad, ckpt: Checkpoint) -> DiskTier | None:
     units = {}
     for name in (m for layer in placement.on_disk for m in layer.modules):
         units[name] = [t for t in targets if any(n == name or n.startswith(f"{name}.") for n in t.names)]
-    traits = Traits.of(LoadPlan(targets), ckpt, transform=prepared.transform is not None)
+    traits = Traits.of(LoadPlan(targets), ckpt, transform=prepared.transform)
     return DiskTier(prepared.module, units, ckpt, traits=traits, combine=prepared.combine,
                     transform=prepared.transform, device=prepared.device)
 
@@ -111,7 +112,7 @@ class DiskTier:
         self.stats = DiskStats()
         self._transform = transform
         scratch = max((r.scratch_nbytes for u in self.units.values() for r in u.routes), default=0)
-        self._reader = Reader(root, ckpt, LoadPlan([]), combine, scratch)
+        self._reader = Reader(root, ckpt, LoadPlan([]), combine, scratch, transform)
         cuda = self.device.type == "cuda"
         self._buffers = LayerBuffers(max(u.nbytes for u in self.units.values()), pin=cuda)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
@@ -310,7 +311,7 @@ class DiskTier:
         if not isinstance(payload, torch.Tensor):
             raise RuntimeError(f"{target.names[0]!r} would be quantized for each forward; check_streamable refuses "
                                "that before any read.")
-        if self._transform is not None:
+        if self._transform is not None and not route.transformed:  # a route that took blocks of rows ran it already
             payload = self._transform(target.names[0], payload)
         return _into(payload, views[0])
 

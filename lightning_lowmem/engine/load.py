@@ -38,7 +38,7 @@ from lightning_lowmem.engine.shard_checks import check_sharded
 from lightning_lowmem.engine.stream import Transform, stream
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.errors import MetaTensorError, format_names
-from lightning_lowmem.memory import MemoryMonitor
+from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
 from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
@@ -131,7 +131,8 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             source = stack.enter_context(resolved(checkpoint, module, options))
-            prepared = prepare_load(module, source, options, check_keys=on_plan is None)
+            with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
+                prepared = prepare_load(module, source, options, check_keys=on_plan is None)
             if on_plan is not None:
                 on_plan(prepared)
             return prepared, source.checkpoint

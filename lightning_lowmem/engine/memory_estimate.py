@@ -15,15 +15,19 @@
                    (``QuantScheme.library_bytes``)
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
                    the stream takes for it (``engine/routes.py``: the tensor as read when it is cast;
-                   a block of rows as read, cast and quantized + the freed heap a trim leaves; a
-                   combined tensor's parts; one part of a stacked one; a weight stored quantized,
-                   loaded as it is, nothing on CPU; a GGUF tensor's dequantization workspace)
-                   plus 6 MiB measured for the load itself
+                   a block of rows as read, cast and quantized + the freed heap a trim leaves (up to
+                   ``TRIM_AT``, 32 MiB: earlier weights' temporaries); a combined tensor's parts; one part of
+                   a stacked one; a weight stored quantized, loaded as it is, nothing on CPU; a GGUF
+                   tensor's dequantization workspace, and, kept unquantized and cast or rewritten, one
+                   block of its rows as read (twice when the transform rewrites it), never the tensor
+                   in float32) plus 6 MiB measured for the load itself
+    tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
+                   vocabulary), resident from before the load to the end; 0 otherwise
     disk           with layers left in the checkpoint file (``disk_offload``): their weights are not in memory;
                    two read buffers of the largest of them are, with the largest tensor a forward reads and
                    casts (its route's transient); each token reads them all (``disk_read``), which at
                    ``read_bandwidth`` takes ``seconds_per_token``
-    peak           weights + library + max(load transient + one read buffer, caches + activations
+    peak           weights + library + tokenizer + max(load transient + one read buffer, caches + activations
                    + first forward + runtime + read buffers)
 """
 
@@ -67,6 +71,7 @@ class MemoryEstimate:
     runtime: int = 0
     library: int = 0
     load_transient: int = 0
+    tokenizer: int = 0
     disk_weights: int = 0
     disk_read: int = 0
     disk_buffers: int = 0
@@ -81,12 +86,13 @@ class MemoryEstimate:
 
     @property
     def load_peak(self) -> int:
-        return self.weights + self.library + self.load_transient + self.disk_buffers // 2  # the first read ahead
+        return (self.weights + self.library + self.tokenizer + self.load_transient
+                + self.disk_buffers // 2)  # the first read ahead
 
     @property
     def generate_peak(self) -> int:
-        return (self.weights + self.library + self.caches + self.activations + self.dequantized + self.runtime
-                + self.disk_buffers)
+        return (self.weights + self.library + self.tokenizer + self.caches + self.activations + self.dequantized
+                + self.runtime + self.disk_buffers)
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -129,6 +135,7 @@ class MemoryEstimate:
                 ("runtime (first forward: kernels, allocator)", self.runtime),
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
+                *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
                 *self._disk_rows(),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
@@ -166,7 +173,7 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     est = MemoryEstimate(model=model, quantize=scheme.name if scheme is not None else None, dtype=dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement, source=prepared.source.why)
-    traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform is not None,
+    traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform,
                        requantized=frozenset(requantized))
     placement = prepared.placement
     for target in prepared.plan.targets:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.engine.readahead import ScratchBuffer
+from lightning_lowmem.engine.row_reads import RowBuffer, Transform
 from lightning_lowmem.engine.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.meta import owner_of
@@ -23,18 +24,20 @@ quantized (by checkpoint key)."""
 
 class Reader:
     """What routes read with: the checkpoint, the module (for a shard's local part), the reused scratch buffer, the
-    parts several targets share, and the conversion's ``combine``.
+    buffer blocks of rows are read into, the parts several targets share, and the conversion's ``combine`` and
+    ``transform``.
 
     ``destination``, when set, gives the memory a final tensor is read into (the disk tier's layer buffer,
     ``engine/disk_tier.py``); without it each final tensor is new memory.
     """
 
     def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
-                 scratch_size: int = 0) -> None:
-        self.module, self.ckpt, self.combine = module, ckpt, combine
+                 scratch_size: int = 0, transform: Transform | None = None) -> None:
+        self.module, self.ckpt, self.combine, self.transform = module, ckpt, combine, transform
         self.scratch = ScratchBuffer(scratch_size) if scratch_size else None
         self.scratch_size = scratch_size
         self.parts = SharedParts(ckpt, plan)
+        self.rows = RowBuffer()  # the one buffer blocks of rows are read into (row_reads.py)
         self.destination: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
 
     def final_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from lightning_lowmem.engine.reader import Payload, Reader
+from lightning_lowmem.engine.row_reads import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.plan import LoadPlan, Target
@@ -20,21 +21,21 @@ class Traits:
     """What the whole load is, that a tensor's route depends on.
 
     Attributes:
-        transform: the conversion runs a transform on each tensor as read.
+        transform: the transform the conversion runs on each tensor as read, or None.
         mapped: the whole load maps the file (``stream.mappable``).
         reads_rows: whether a block of rows of a checkpoint key can be read on its own.
         shared: checkpoint keys that several targets are built from (read once, held between them).
         requantized: weight names built from weights stored quantized, then quantized again.
     """
 
-    transform: bool = False
+    transform: Transform | None = None
     mapped: bool = False
     reads_rows: Callable[[str], bool] = field(default=lambda key: True)  # records with no file: as any file
     shared: frozenset[str] = frozenset()
     requantized: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, plan: LoadPlan, ckpt: Checkpoint | None, *, transform: bool, mapped: bool = False,
+    def of(cls, plan: LoadPlan, ckpt: Checkpoint | None, *, transform: Transform | None, mapped: bool = False,
            requantized: frozenset[str] = frozenset()) -> Traits:
         """The traits of a load of ``plan`` from ``ckpt`` (None: records with no file, read as any file reads)."""
         uses: dict[str, int] = {}
@@ -74,6 +75,11 @@ class Route:
         return False
 
     @property
+    def transformed(self) -> bool:
+        """Whether the route ran the load's transform on what it read already (the stream does not run it again)."""
+        return False
+
+    @property
     def scratch_nbytes(self) -> int:
         """The largest read this route makes into the reused scratch buffer (0: none)."""
         return 0
@@ -90,9 +96,12 @@ def decode(target: Target) -> int:
 
 
 def by_rows_nbytes(target: Target) -> int:
-    """One block of rows as read, cast and quantized, and the freed heap a trim leaves."""
+    """One block of rows as read, cast and quantized, and the freed heap a trim leaves: up to ``TRIM_AT`` bytes,
+    the earlier weights' temporaries (measured on a Mixtral stack quantized to nf4: 15-32 MiB beyond the final
+    tensors from run to run, where one block's allowance gave 19 MiB)."""
     per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
-    return int(min(target.record.numel, CHUNK_ELEMENTS) * per_element) + TRIM_AT
+    working = int(min(target.record.numel, CHUNK_ELEMENTS) * per_element)
+    return working + TRIM_AT
 
 
 def quantized_nbytes(target: Target, held: int) -> int:

@@ -6,7 +6,10 @@
                                its scheme, dtype and device), the load's transform and what the checkpoint can do
         mapped         a view of the file's mapped pages (a load that maps)
         whole          read whole; a copy to be cast, moved or quantized goes into the reused scratch buffer
-        rows           quantized a block of rows at a time, each block read on its own
+        rows           quantized a block of rows at a time, each block read on its own (and rewritten by the
+                       transform, when it takes blocks of rows)
+        built rows     kept unquantized and built a block of rows at a time into the final tensor: read
+                       (a GGUF block dequantized), rewritten by the transform, cast (``row_reads.py``)
         combined       its parts read (fresh memory each), then combined by the conversion's ``fn``
         stacked        its parts read straight into their rows of the tensor, allocated once (``stacked.py``)
         stacked rows   the same, quantized a block of rows at a time (``stacked.py``)
@@ -31,8 +34,9 @@ import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.route import Route, Traits, as_read, by_rows_nbytes, decode, quantized_nbytes
+from lightning_lowmem.engine.row_reads import block_rows, built_by_rows, read_built, reads_by_rows, rows_reader
 from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
-from lightning_lowmem.plan import Target
+from lightning_lowmem.plan import Target, row_block
 from lightning_lowmem.quantize.rows import RowSource
 
 
@@ -52,9 +56,12 @@ def route_of(target: Target, traits: Traits) -> Route:
         if target.stack is not None and target.shard is None and stackable(target, traits, by_rows):
             return StackedRows(target) if by_rows else Stacked(target)
         return Combined(target, requantized=target.names[0] in traits.requantized)
-    if (target.scheme is not None and target.scheme.by_rows and not traits.transform
-            and len(target.record.shape) == 2 and traits.reads_rows(target.record.key)):
-        return Rows(target)
+    rows = reads_by_rows(target, traits.transform, traits.reads_rows(target.record.key))
+    if target.scheme is not None and target.scheme.by_rows and len(target.record.shape) == 2 and rows:
+        return Rows(target, rewritten=bool(row_block(traits.transform, target.names[0])))
+    if built_by_rows(target, traits.transform, traits.reads_rows(target.record.key)):
+        return BuiltRows(target, block=block_rows(target, traits.transform),
+                         rewritten=bool(row_block(traits.transform, target.names[0])))
     return Whole(target)
 
 
@@ -125,31 +132,49 @@ class Whole(Route):
 
 @dataclass(frozen=True)
 class Rows(Route):
-    """A weight quantized a block of rows at a time, each block read from the file into one reused buffer."""
+    """A weight quantized a block of rows at a time, each block read from the file into the load's one row buffer
+    (and rewritten by the transform when it takes blocks of rows: ``rewritten``)."""
 
+    rewritten: bool = False
     kind: ClassVar[str] = "rows"
 
     def read(self, reader: Reader) -> Payload:
-        target, rec = self.target, self.target.record
-        row_elements = math.prod(rec.shape[1:])
-        buffer = torch.empty(0, dtype=rec.dtype)
-
-        def rows(start: int, stop: int) -> torch.Tensor:
-            nonlocal buffer
-            if start == 0 and stop == rec.shape[0]:  # the whole weight: its own memory, nothing shared
-                block = reader.read(rec)
-            else:
-                n = (stop - start) * row_elements
-                if buffer.numel() < n:
-                    buffer = torch.empty(n, dtype=rec.dtype)
-                block = reader.read(rec, start, stop, out=buffer[:n].view(stop - start, *rec.shape[1:]))
-            return block.to(dtype=target.dtype).to(device=target.device)
-
-        return RowSource(rec.shape, target.dtype, target.device, rows)
+        target = self.target
+        rows = rows_reader(reader.ckpt, target, reader.transform, reader.rows)
+        return RowSource(target.record.shape, target.dtype, target.device,
+                         lambda start, stop: rows(start, stop).to(dtype=target.dtype).to(device=target.device))
 
     @property
     def transient(self) -> int:
         return by_rows_nbytes(self.target) + decode(self.target)
+
+    @property
+    def transformed(self) -> bool:
+        return self.rewritten
+
+
+@dataclass(frozen=True)
+class BuiltRows(Route):
+    """A tensor kept unquantized, built a block of ``block`` rows at a time into its final tensor: each block read
+    into the load's row buffer (a GGUF block dequantized), rewritten by the transform (``rewritten``) and cast
+    into place; the tensor is never whole in float32."""
+
+    block: int = 1
+    rewritten: bool = False
+    kind: ClassVar[str] = "built rows"
+
+    def read(self, reader: Reader) -> Payload:
+        return read_built(reader.ckpt, self.target, reader.transform, reader.rows)
+
+    @property
+    def transient(self) -> int:
+        rec = self.target.record
+        block = self.block * (rec.numel // max(rec.shape[0], 1)) * rec.dtype.itemsize
+        return block * (2 if self.rewritten else 1) + decode(self.target)
+
+    @property
+    def transformed(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

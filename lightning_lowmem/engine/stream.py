@@ -4,6 +4,8 @@
 
     for each target:  read it as its route says (routes.py: whole, by rows, its parts combined or stacked, ...)
                       -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
+                      [a tensor stored block-quantized: read, transformed and cast a block of rows at a time
+                       into its final tensor (row_reads.py)]
                       [a weight stored quantized: its parts read -> into its scheme's module as they are]
 
 Peak memory is the final model plus about one tensor in flight (a combined tensor: its parts
@@ -17,6 +19,7 @@ as the one in flight, then copies this rank's part (quantized: ``Quantizer.load_
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 
@@ -29,6 +32,7 @@ from lightning_lowmem.engine.readahead import read_ahead
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.memory import collector_paused
 from lightning_lowmem.meta import assign
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.quantize import Quantizer
@@ -52,21 +56,25 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     On an error the module is left as far as it got; the caller puts it back (``meta.Snapshot``).
     """
     mapped = mmap and mappable(plan, quantizer, transform)
-    traits = Traits.of(plan, ckpt, transform=transform is not None, mapped=mapped)
+    traits = Traits.of(plan, ckpt, transform=transform, mapped=mapped)
     routes = {id(target): route_of(target, traits) for target in plan.targets}
     window = read_window(list(routes.values()), quantizer is not None or transform is not None)
-    reader = Reader(module, ckpt, plan, combine, scratch_size(plan, routes) if window == 0 else 0)
+    reader = Reader(module, ckpt, plan, combine, scratch_size(plan, routes) if window == 0 else 0, transform)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
     tensors = nbytes = 0
+    # Only the loop's own objects are made here unless a quantizer or a transform runs: those may leave reference
+    # cycles (torchao's int8 weights did: +120 MiB with the collector paused), so the collector keeps running then.
+    paused = collector_paused() if quantizer is None and transform is None else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), paused:
             for target, tensor in read_ahead(plan.targets, lambda t: routes[id(t)].read(reader),
                                              lambda t: t.read_nbytes, window):
-                _install(module, target, tensor, quantizer, transform)
+                route = routes[id(target)]
+                _install(module, target, tensor, quantizer, None if route.transformed else transform)
                 del tensor
                 tensors += len(target.parts) or 1
-                nbytes += routes[id(target)].read_nbytes
+                nbytes += route.read_nbytes
                 bar.update(target.read_nbytes)
     finally:
         bar.close()

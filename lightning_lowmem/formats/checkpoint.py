@@ -1,13 +1,19 @@
-"""``Checkpoint``: every tensor record of every file of a checkpoint, each file opened once.
+"""``Checkpoint``: every tensor record of every file of a checkpoint.
 
 Opening reads headers only; :meth:`Checkpoint.read` and :meth:`Checkpoint.read_rows`
 then read one tensor, or a block of its rows, at a time from the descriptor the
-header was read through.
+header was read through. A checkpoint of more than :data:`MAX_OPEN_FILES` files holds at most
+that many descriptors: a shard is released after its header is read and reopened when it is
+read, checked to be the same file (``files.py``), and the least recently read are released
+again, so any number of shards loads under the default limit of 1024 descriptors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +27,11 @@ from lightning_lowmem.formats.gguf_file import GGUFFile
 from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
 from lightning_lowmem.formats.safetensors_file import SafetensorsFile
 from lightning_lowmem.formats.torch_zip import TorchZipFile
+from lightning_lowmem.memory import collector_paused
 
 _READERS = {"safetensors": SafetensorsFile, "torch": TorchZipFile, "gguf": GGUFFile}
+MAX_OPEN_FILES = 64
+"""Descriptors a checkpoint of many files holds at most at a time."""
 
 
 def _open_files(path: str | Path) -> list[CheckpointFile]:
@@ -39,9 +48,12 @@ def _open_files(path: str | Path) -> list[CheckpointFile]:
         raise
     os.close(fd)
     files: list[CheckpointFile] = []
+    shards = shards_of_index(first, text)
     try:
-        for shard in shards_of_index(first, text):
+        for shard in shards:
             files.append(_open_shard(shard))
+            if len(shards) > MAX_OPEN_FILES:
+                files[-1].release()  # reopened when read
     except BaseException:
         for f in files:
             f.close()
@@ -77,9 +89,9 @@ class Checkpoint:
 
     def __init__(self, files: list[CheckpointFile]) -> None:
         self.files = files
-        self.records: dict[str, TensorRecord] = {}
-        self._owner: dict[str, CheckpointFile] = {}
-        for file in files:
+        self.records: dict[str, TensorRecord] = files[0].records() if len(files) == 1 else {}  # one file: its own dict
+        self._owner: dict[str, CheckpointFile] = {}  # empty for one file: it owns every key
+        for file in files if len(files) > 1 else ():
             for key, rec in file.records().items():
                 if key in self.records:
                     raise CheckpointFormatError(
@@ -88,17 +100,22 @@ class Checkpoint:
                     )
                 self.records[key] = rec
                 self._owner[key] = file
+        self._limit = MAX_OPEN_FILES if len(files) > MAX_OPEN_FILES else None
+        self._open: OrderedDict[int, CheckpointFile] = OrderedDict()  # files holding a descriptor, least recent first
+        self._busy: dict[int, int] = {}  # id of a file -> reads in progress (read ahead runs in other threads)
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         """Open ``path``: a file, a ``*.index.json`` or a directory. Reads headers only."""
-        files = _open_files(path)
-        try:
-            return cls(files)
-        except BaseException:
-            for f in files:
-                f.close()
-            raise
+        with collector_paused():  # a record or two per tensor: a million of them
+            files = _open_files(path)
+            try:
+                return cls(files)
+            except BaseException:
+                for f in files:
+                    f.close()
+                raise
 
     @property
     def paths(self) -> list[Path]:
@@ -131,7 +148,10 @@ class Checkpoint:
         inert: list[str] = []
         for f in self.files:
             if isinstance(f, TorchZipFile):
+                was_open = f.is_open
                 entries, paths = f.other_entries()
+                if not was_open and self._limit is not None:
+                    f.release()  # read outside the count of open files: released again
                 out.update(entries)
                 inert += paths
         return out, inert
@@ -151,22 +171,50 @@ class Checkpoint:
 
         A strided view stored in a torch file is returned as a new tensor even when ``out`` is given.
         """
-        return self._owner[key].read(key, out)
+        if self._limit is None:  # every file stays open: no bookkeeping per read
+            return self._file(key).read(key, out)
+        with self._reading(key) as file:
+            return file.read(key, out)
 
     def map(self, key: str) -> torch.Tensor | None:
         """Tensor ``key`` over its file's mapped pages instead of read (None when it cannot be mapped: read it).
 
         Mapped tensors keep their file's mapping alive, and the file must not change while they live.
         """
-        return self._owner[key].map(key)
+        with self._reading(key) as file:
+            return file.map(key)
 
     def reads_rows(self, key: str) -> bool:
         """Whether blocks of rows of ``key`` can be read on their own (:meth:`read_rows`)."""
-        return self._owner[key].reads_rows(key)
+        return self._file(key).reads_rows(key)
 
     def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``start:stop`` (along dim 0) of tensor ``key``, read without the rest of it."""
-        return self._owner[key].read_rows(key, start, stop, out)
+        with self._reading(key) as file:
+            return file.read_rows(key, start, stop, out)
+
+    def _file(self, key: str) -> CheckpointFile:
+        return self._owner[key] if self._owner else self.files[0]
+
+    @contextlib.contextmanager
+    def _reading(self, key: str) -> Iterator[CheckpointFile]:
+        """The file holding ``key``, counted as in use (never released) for the block; with many files, the least
+        recently read ones beyond :data:`MAX_OPEN_FILES` are released first."""
+        file = self._file(key)
+        if self._limit is None:
+            yield file
+            return
+        with self._lock:
+            self._busy[id(file)] = self._busy.get(id(file), 0) + 1
+            self._open[id(file)] = file
+            self._open.move_to_end(id(file))
+            for other_id in [i for i in self._open if not self._busy.get(i)][:max(0, len(self._open) - self._limit)]:
+                self._open.pop(other_id).release()
+        try:
+            yield file
+        finally:
+            with self._lock:
+                self._busy[id(file)] -= 1
 
     def __iter__(self) -> Iterator[TensorRecord]:
         return iter(self.records.values())

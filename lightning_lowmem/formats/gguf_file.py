@@ -21,12 +21,7 @@ Each row of such a tensor is a whole number of blocks, so a block of rows is rea
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +65,7 @@ class GGUFFile(OpenedFile):
     Attributes:
         layout: the header (version, alignment, where the data starts, tensors, fields).
         fields: the header's scalar fields (``general.architecture``, ``llama.block_count``, ...);
-            array fields (the vocabulary) are left in the file (``layout.arrays`` says their lengths).
+            its array fields (the vocabulary) are ``layout.arrays``, kept compact.
 
     Args:
         path: the file.
@@ -89,17 +84,6 @@ class GGUFFile(OpenedFile):
         self._infos: dict[str, TensorInfo] = {t.name: t for t in self.layout.tensors}
         self._records = {t.name: self._record(t) for t in self.layout.tensors}
 
-    @contextlib.contextmanager
-    def handle(self) -> Iterator[io.BufferedReader]:
-        """A binary file object on this file's own descriptor (a duplicate), for a parser that wants a file
-        (transformers' GGUF parser, for the vocabulary); the header was walked and bounded when the file opened."""
-        self.check_unchanged()
-        handle = os.fdopen(os.dup(self._fd), "rb")
-        try:
-            yield handle
-        finally:
-            handle.close()
-
     def _record(self, info: TensorInfo) -> TensorRecord:
         shape = tuple(reversed(info.dims))
         if info.type_name in PLAIN_TYPES:
@@ -116,6 +100,10 @@ class GGUFFile(OpenedFile):
 
     def records(self) -> dict[str, TensorRecord]:
         return self._records
+
+    def stored_types(self) -> dict[str, str]:
+        """Each tensor's ggml type as the file stores it (``"Q4_1"``, ``"F16"``, ...), by key."""
+        return {key: info.type_name for key, info in self._infos.items()}
 
     def metadata(self) -> dict[str, str]:
         """Nothing: a GGUF file's fields are not text beside the tensors (they are :attr:`fields`)."""

@@ -7,15 +7,16 @@ this (gguf 0.19, numpy 2.4, this 2-core machine):
   busy 15 s and took 0.9 GiB; 10**8 elements ran it out of memory;
 * it builds a chain of numpy views per array element, about 710 bytes and 11 us each (1.4 KB
   and 23 us per string): a Llama-3-sized vocabulary (128k tokens, 128k token types, 280k merges)
-  took 13.7 s and 613 MiB to parse, before any weight is read. This walk took 0.9 s and 4 MiB;
-* it memory-maps the whole file (``numpy.memmap``; only the header's pages are touched).
+  took 13.7 s and 613 MiB to parse, before any weight is read;
+* it memory-maps the whole file (``numpy.memmap``): a file cut short by another process while it
+  is parsed kills the parsing process with SIGBUS.
 
 So the header is read here, in 1 MiB blocks through the file's own descriptor:
 
 * magic ``GGUF``, version 2 or 3, little-endian (a big-endian file is refused by name);
-* every string and array fits in the bytes left, arrays nest at most two deep and hold at most
-  :data:`MAX_ARRAY_ELEMENTS` elements in all; scalar fields are decoded, arrays (the vocabulary)
-  are skipped and left in the file for a tokenizer to parse;
+* the metadata (``gguf_metadata.py``): scalar fields decoded, arrays (the vocabulary) kept compact,
+  every string and array within the bytes left, arrays nested at most two deep, everything kept
+  within a total bound;
 * every tensor: a name seen once, at most 4 dimensions, a type the ``gguf`` package knows
   (``GGMLQuantizationType``, ``GGML_QUANT_SIZES``), rows a whole number of its blocks, and its data
   right after the previous tensor's (padded to the alignment), as ggml's own reader requires; the
@@ -31,18 +32,14 @@ from typing import Any
 
 from lightning_lowmem.errors import CheckpointFormatError
 from lightning_lowmem.formats.files import OpenedFile
+from lightning_lowmem.formats.gguf_metadata import Budget, HeaderCursor, MetadataArray, damaged, read_value
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_ARRAY_ELEMENTS = 1 << 23
-"""Array elements of all metadata together (8 Mi). A real header holds about three per vocabulary entry (tokens,
-scores, token types) plus merges: a 256k vocabulary with its merges needs about 1 Mi. A tokenizer that parses
-them later (transformers' GGUF parser, through ``GGUFReader``) spends about 1 KB per element."""
-_BLOCK = 1 << 20
-_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_SCALARS = {vtype: struct.calcsize("<" + fmt) for vtype, fmt in _FORMATS.items()}  # GGUFValueType -> bytes
-_STRING, _ARRAY = 8, 9
-_TOO_DEEP = 2
+MAX_ENTRIES = 1 << 16
+"""Tensors, and metadata fields, a header may declare (each costs about 1 KB of Python objects). Real files hold
+a few hundred to a few thousand tensors (DeepSeek-V3: about 1,000 per file) and a few dozen fields."""
+_UINT32 = 4  # GGUFValueType.UINT32, the type general.alignment must have
 
 
 @dataclass
@@ -74,7 +71,7 @@ class HeaderLayout:
         data_start: where the tensor data starts.
         tensors: every tensor, in the header's order.
         metadata: every scalar field (numbers, bools, strings), decoded.
-        arrays: every array field: its element type (``GGUFValueType``) and length.
+        arrays: every array field, kept compact (:class:`~lightning_lowmem.formats.gguf_metadata.MetadataArray`).
     """
 
     version: int
@@ -82,7 +79,7 @@ class HeaderLayout:
     data_start: int = 0
     tensors: list[TensorInfo] = field(default_factory=list)
     metadata: dict[str, int | float | bool | str] = field(default_factory=dict)
-    arrays: dict[str, tuple[int, int]] = field(default_factory=dict)
+    arrays: dict[str, MetadataArray] = field(default_factory=dict)
 
     @property
     def split_count(self) -> int:
@@ -101,140 +98,73 @@ def import_gguf() -> Any:
     return gguf
 
 
-class _Cursor:
-    """Reads a file forward, a block at a time, never past its end."""
-
-    def __init__(self, file: OpenedFile) -> None:
-        self.file, self.pos, self._buffer, self._start = file, 0, b"", 0
-
-    def left(self) -> int:
-        return self.file.size - self.pos
-
-    def take(self, n: int, what: str) -> bytes:
-        if n > self.left():
-            raise _short(self.file, self.pos, n, what)
-        end = self.pos + n
-        if not (self._start <= self.pos and end <= self._start + len(self._buffer)):
-            self._start = self.pos
-            self._buffer = self.file.pread(max(n, _BLOCK), self.pos)
-        out = self._buffer[self.pos - self._start:end - self._start]
-        self.pos = end
-        return out
-
-    def skip(self, n: int, what: str) -> None:
-        if n > self.left():
-            raise _short(self.file, self.pos, n, what)
-        self.pos += n
-
-    def unpack(self, fmt: str, what: str) -> int | float:
-        return struct.unpack("<" + fmt, self.take(struct.calcsize(fmt), what))[0]
-
-    def string(self, what: str) -> bytes:
-        return self.take(int(self.unpack("Q", f"the length of {what}")), what)
-
-
-def _short(file: OpenedFile, pos: int, n: int, what: str) -> CheckpointFormatError:
-    return CheckpointFormatError(
-        f"{file.path}: its GGUF header needs {n} bytes for {what} at byte {pos}, but the file ends at byte "
-        f"{file.size}. The file is truncated or damaged: download or convert it again.")
-
-
-def _damaged(file: OpenedFile, message: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{file.path}: {message}. The GGUF file is damaged or not one lightning_lowmem can "
-                                 "read: download or convert it again.")
-
-
 def walk_header(file: OpenedFile) -> HeaderLayout:
     """Check ``file``'s GGUF header from its bytes alone (see the module's docstring); the layout it declares.
 
     Raises:
         CheckpointFormatError: naming the file, the field or tensor, the values seen and what to do.
     """
-    cur = _Cursor(file)
+    cur = HeaderCursor(file)
     if cur.take(4, "the magic") != GGUF_MAGIC:
-        raise _damaged(file, "it does not start with the GGUF magic")
+        raise damaged(file, "it does not start with the GGUF magic")
     raw = cur.take(4, "the version")
     version = struct.unpack("<I", raw)[0]
     if version & 0xFFFF == 0 and struct.unpack(">I", raw)[0] in (2, 3):
         raise CheckpointFormatError(f"{file.path} is a big-endian GGUF file, which lightning_lowmem does not read. "
                                     "Convert it to little-endian (gguf's gguf_convert_endian script).")
     if version not in (2, 3):
-        raise _damaged(file, f"GGUF version {version}; versions 2 and 3 are read")
-    n_tensors, n_fields = cur.unpack("Q", "the tensor count"), cur.unpack("Q", "the metadata count")
+        raise damaged(file, f"GGUF version {version}; versions 2 and 3 are read")
+    n_tensors, n_fields = int(cur.unpack("Q", "the tensor count")), int(cur.unpack("Q", "the metadata count"))
+    for count, what in ((n_tensors, "tensors"), (n_fields, "metadata fields")):
+        if count > MAX_ENTRIES:
+            raise damaged(file, f"its header declares {count} {what}, more than the {MAX_ENTRIES} read")
     layout = HeaderLayout(version=version)
-    _walk_fields(cur, int(n_fields), layout)
-    infos = [_tensor_info(cur, i) for i in range(int(n_tensors))]
+    _walk_fields(cur, n_fields, layout)
+    infos = [_tensor_info(cur, i) for i in range(n_tensors)]
     layout.data_start = cur.pos + (-cur.pos) % layout.alignment
     names: set[str] = set()
     for info in infos:
         if info[0] in names:
-            raise _damaged(file, f"tensor {info[0]!r} appears twice")
+            raise damaged(file, f"tensor {info[0]!r} appears twice")
         names.add(info[0])
         layout.tensors.append(_checked(file, layout, *info))
     _check_data_end(file, layout)
     return layout
 
 
-def _walk_fields(cur: _Cursor, count: int, layout: HeaderLayout) -> None:
-    budget = [MAX_ARRAY_ELEMENTS]
+def _walk_fields(cur: HeaderCursor, count: int, layout: HeaderLayout) -> None:
+    budget = Budget(cur.file)
     for _ in range(count):
         raw = cur.string("a metadata key")
         key = raw.decode("utf-8", errors="replace")
         if key in layout.metadata or key in layout.arrays:
-            raise _damaged(cur.file, f"metadata key {key!r} appears twice")
+            raise damaged(cur.file, f"metadata key {key!r} appears twice")
         vtype = int(cur.unpack("I", f"the type of {key!r}"))
-        if vtype in _FORMATS:
-            layout.metadata[key] = cur.unpack(_FORMATS[vtype], f"the value of {key!r}")
-        elif vtype == _STRING:
-            layout.metadata[key] = cur.string(f"the string {key!r}").decode("utf-8", errors="replace")
+        value = read_value(cur, vtype, key, budget)
+        if isinstance(value, MetadataArray):
+            layout.arrays[key] = value
         else:
-            start = cur.pos
-            _walk_value(cur, vtype, key, budget, depth=0)
-            layout.arrays[key] = struct.unpack("<IQ", cur.file.pread(12, start))
+            layout.metadata[key] = value
         if key == "general.alignment":
-            layout.alignment = _alignment(cur, vtype, layout.metadata.get(key))
+            layout.alignment = _alignment(cur, vtype, value)
 
 
-def _walk_value(cur: _Cursor, vtype: int, key: str, budget: list[int], depth: int) -> None:
-    if vtype in _SCALARS:
-        cur.skip(_SCALARS[vtype], f"the value of {key!r}")
-    elif vtype == _STRING:
-        cur.skip(int(cur.unpack("Q", f"the length of {key!r}")), f"the string {key!r}")
-    elif vtype == _ARRAY and depth < _TOO_DEEP:
-        itype, count = int(cur.unpack("I", f"the type of {key!r}")), int(cur.unpack("Q", f"the length of {key!r}"))
-        if itype not in _SCALARS and itype not in (_STRING, _ARRAY):
-            raise _damaged(cur.file, f"metadata {key!r} is an array of type {itype}, which GGUF does not define")
-        smallest = _SCALARS.get(itype, 8 if itype == _STRING else 12)  # a string or an array: its lengths at least
-        budget[0] -= count
-        if count * smallest > cur.left() or budget[0] < 0:
-            raise _damaged(cur.file, f"metadata {key!r} declares {count} elements of type {itype}, more than its "
-                                     f"{cur.left()} bytes left hold or than {MAX_ARRAY_ELEMENTS} in all")
-        if itype in _SCALARS:
-            cur.skip(count * _SCALARS[itype], f"the array {key!r}")
-            return
-        for _ in range(count):
-            _walk_value(cur, itype, key, budget, depth + 1)
-    else:
-        raise _damaged(cur.file, f"metadata {key!r} has value type {vtype}, which GGUF does not define"
-                       + (" (arrays nested too deep)" if vtype == _ARRAY else ""))
-
-
-def _alignment(cur: _Cursor, vtype: int, value: object) -> int:
-    if vtype != 4 or not isinstance(value, int) or value == 0 or value & (value - 1):
-        raise _damaged(cur.file, f"general.alignment must be a power of two stored as uint32 (type 4), got type "
+def _alignment(cur: HeaderCursor, vtype: int, value: object) -> int:
+    if vtype != _UINT32 or not isinstance(value, int) or value == 0 or value & (value - 1):
+        raise damaged(cur.file, f"general.alignment must be a power of two stored as uint32 (type 4), got type "
                                  f"{vtype}, value {value}")
     return value
 
 
-def _tensor_info(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
+def _tensor_info(cur: HeaderCursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
     raw = cur.string(f"the name of tensor {index}")
     try:
         name = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _damaged(cur.file, f"tensor {index}'s name {raw[:80]!r} is not UTF-8") from e
+        raise damaged(cur.file, f"tensor {index}'s name {raw[:80]!r} is not UTF-8") from e
     n_dims = int(cur.unpack("I", f"the dimension count of {name!r}"))
     if n_dims > MAX_DIMS:
-        raise _damaged(cur.file, f"tensor {name!r} has {n_dims} dimensions, more than GGUF's {MAX_DIMS}")
+        raise damaged(cur.file, f"tensor {name!r} has {n_dims} dimensions, more than GGUF's {MAX_DIMS}")
     dims = tuple(int(cur.unpack("Q", f"the dimensions of {name!r}")) for _ in range(n_dims))
     return name, dims, int(cur.unpack("I", f"the type of {name!r}")), int(cur.unpack("Q", f"the offset of {name!r}"))
 
@@ -251,7 +181,7 @@ def _checked(file: OpenedFile, layout: HeaderLayout, name: str, dims: tuple[int,
             f"{file.path}: tensor {name!r} is stored in ggml type {type_id}, which the installed gguf package "
             "does not know. Upgrade gguf (pip install -U gguf), or convert the file to a known type.") from e
     if dims and dims[0] % block:
-        raise _damaged(file, f"tensor {name!r} ({qtype.name}, dims {list(dims)}): rows of {dims[0]} elements are not "
+        raise damaged(file, f"tensor {name!r} ({qtype.name}, dims {list(dims)}): rows of {dims[0]} elements are not "
                              f"a whole number of {qtype.name}'s {block}-element blocks")
     nbytes = math.prod(dims) // block * type_size
     start = layout.data_start + offset
@@ -279,5 +209,5 @@ def _check_data_end(file: OpenedFile, layout: HeaderLayout) -> None:
     """The tensors' data must end where the file ends, give or take the last tensor's padding."""
     end = layout.tensors[-1].offset + layout.tensors[-1].nbytes if layout.tensors else layout.data_start
     if not end <= file.size <= _padded_end(layout):
-        raise _damaged(file, f"its tensors' data ends at byte {end} but the file holds {file.size} bytes "
+        raise damaged(file, f"its tensors' data ends at byte {end} but the file holds {file.size} bytes "
                              f"(alignment {layout.alignment})")

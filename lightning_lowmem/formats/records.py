@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     """A tensor in a checkpoint file, described without reading its data.
 

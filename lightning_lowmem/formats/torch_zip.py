@@ -1,6 +1,6 @@
 """Reading torch zip files (``torch.save``: ``.pt``, ``.pth``, ``.bin``, ``.ckpt``) one tensor at a time.
 
-The file is read through its zip central directory (Python's ``zipfile``): every record
+The file is read through its zip central directory (``zip_records.py``): every record
 the pickle refers to must be there, stored (not compressed), and hold exactly the bytes
 its storage needs; each record's data is located from its own local header, so a file
 written by another zip writer reads the same as one written by torch. The pickle
@@ -10,38 +10,35 @@ of any other class (a LightningModule's hyper-parameters, callbacks' state) beco
 inert placeholders: nothing the pickle names is imported, constructed or run. Each
 tensor is then read on its own with ``os.preadv`` straight into the memory that becomes
 the parameter; nothing maps the file. The file's other entries (optimizer state,
-counters) come from the same pickle (:meth:`TorchZipFile.other_entries`), their tensors
-read the same way.
+counters) come from the same pickle (:meth:`TorchZipFile.other_entries`, ``entries.py``): each
+object once, each storage read once, as ``torch.load`` builds them.
 """
 
 from __future__ import annotations
 
-import collections
 import io
 import logging
 import math
-import struct
 import zipfile
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError, format_names
-from lightning_lowmem.formats.discovery import ZIP_MAGIC
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
-from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef, inert_paths
+from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
+from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
+from lightning_lowmem.formats.zip_records import RESAVE as _RESAVE
+from lightning_lowmem.formats.zip_records import ZipRecords, check_crc, crc_of
 
 log = logging.getLogger(__name__)
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # the zip local file header (30 bytes)
-_RESAVE = "Load it with torch.load (if you trust it) and save it again with torch.save or safetensors.torch.save_file."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Location:
     offset: int  # byte offset of the storage's data in the file
     ref: TensorRef
@@ -69,14 +66,17 @@ class TorchZipFile(OpenedFile):
         self.entry = ""
         self._refs: dict[str, StorageRef] = {}  # storage key -> what the pickle says of it
         self._offsets: dict[str, int] = {}  # storage key -> where its record's bytes start
-        self._crcs: dict[str, zipfile.ZipInfo] = {}  # storage key -> its record, whose CRC-32 reads are checked against
+        self._crcs: dict[str, int] = {}  # storage key -> the CRC-32 its record's bytes are checked against
         self._rows_crc: dict[str, tuple[int, int]] = {}  # key -> (next row, CRC-32 so far) of a read by rows
-        with open(fd, "rb", closefd=False) as f:  # the same descriptor: no second open of the file
-            self._zip = _open_zip(f, path)
-            self._prefix = self._archive_prefix()
-            self._check_byteorder()
-            self._checkpoint, self.inert = self._unpickle()
+        self._mapped_storages: set[str] | None = None  # storages a tensor was mapped from (made when mapped)
+        self._zip = ZipRecords(self)
+        self._prefix = self._archive_prefix()
+        self._check_byteorder()
+        self._check_alignment()
+        self._checkpoint, self.inert, built_on = self._unpickle()
         self._state, self.entry = self._unwrap()
+        if built_on:
+            self._refuse_built_on(built_on)
         self._records: dict[str, TensorRecord] = {}
         self._locations: dict[str, _Location] = {}
         for key, value in self._state.items():
@@ -84,11 +84,14 @@ class TorchZipFile(OpenedFile):
             if ref is not None:
                 self._records[key] = TensorRecord(key, ref.shape, ref.dtype, path)
                 self._locations[key] = self._locate(key, ref)
+        # Only the records of storages not located yet (the entries beside the weights) are kept from the zip
+        # directory: its entries cost ~370 bytes each, a million of them while every tensor is loaded.
+        self._zip.keep_only(f"{self._prefix}data/{key}" for key in self._refs.keys() - self._offsets.keys())
 
     # ------------------------------------------------------------ headers
 
     def _archive_prefix(self) -> str:
-        pickles = [name for name in self._zip.namelist() if name.endswith("data.pkl") and name.count("/") == 1]
+        pickles = [name for name in self._zip.directory if name.endswith("data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise CheckpointFormatError(
                 f"{self.path} is a zip archive but not a torch.save file: it holds {len(pickles)} '<name>/data.pkl' "
@@ -96,60 +99,33 @@ class TorchZipFile(OpenedFile):
         return pickles[0][: -len("data.pkl")]
 
     def _info(self, name: str, limit: int | None = None, what: str = "its pickle") -> zipfile.ZipInfo:
-        """The central-directory entry of record ``name``: present, stored, within the file and ``limit``."""
-        try:
-            info = self._zip.getinfo(self._prefix + name)
-        except KeyError:
-            raise CheckpointFormatError(f"{self.path} has no record {self._prefix + name!r}, which {what} refers to. "
-                                        f"The file is incomplete or was altered. {_RESAVE}") from None
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} is compressed (zip method {info.compress_type}); torch.save "
-                f"stores records uncompressed, and lightning_lowmem reads them in place. {_RESAVE}")
-        if info.file_size > self.size or (limit is not None and info.file_size > limit):
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} claims {info.file_size} bytes"
-                + (f", more than the {limit} such a record may hold" if limit is not None else
-                   f", more than the file's {self.size}") + f". The file is damaged. {_RESAVE}")
-        return info
-
-    def _data_offset(self, info: zipfile.ZipInfo) -> int:
-        """Where the record's bytes start: after its local header, whose name must match the directory's."""
-        header = self.pread(_LOCAL_HEADER.size, info.header_offset)
-        if len(header) < _LOCAL_HEADER.size or header[:4] != ZIP_MAGIC:
-            raise CheckpointFormatError(f"{self.path}: record {info.filename!r} has no local header at byte "
-                                        f"{info.header_offset}; the file is damaged or truncated. {_RESAVE}")
-        fields = _LOCAL_HEADER.unpack(header)
-        name_length, extra_length = fields[-2], fields[-1]
-        name = self.pread(name_length, info.header_offset + _LOCAL_HEADER.size)
-        if name not in (info.filename.encode("utf-8"), info.filename.encode("cp437", errors="replace")):
-            raise CheckpointFormatError(f"{self.path}: the local header at byte {info.header_offset} names {name!r}, "
-                                        f"the central directory {info.filename!r}. The file is damaged. {_RESAVE}")
-        start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-        if start + info.file_size > self.size:
-            raise CheckpointFormatError(
-                f"{self.path}: record {info.filename!r} needs bytes {start}..{start + info.file_size}, but the file "
-                f"has {self.size}. The file is truncated: download or save it again.")
-        return start
+        return self._zip.info(self._prefix + name, limit, what)
 
     def _small_record(self, name: str, limit: int | None = None) -> bytes:
-        """A record read whole (the pickle, the byte order), checked against its CRC-32."""
-        info = self._info(name, limit)
-        data = self.pread(info.file_size, self._data_offset(info))
-        _check_crc(self.path, info, zlib.crc32(data), name)
-        return data
+        return self._zip.small_record(self._prefix + name, limit)
 
     def _check_byteorder(self) -> None:
-        if self._prefix + "byteorder" not in self._zip.NameToInfo:
+        if self._prefix + "byteorder" not in self._zip.directory:
             return
         order = self._small_record("byteorder", limit=16).decode("ascii", errors="replace")
         if order != "little":
             raise CheckpointFormatError(f"{self.path} says its byte order is {order!r}; lightning_lowmem reads "
                                         "little-endian files. Re-save it on a little-endian machine.")
 
-    def _unpickle(self) -> tuple[Any, set[str]]:
+    def _check_alignment(self) -> None:
+        """``.storage_alignment`` (torch >= 2.6) must hold a positive decimal number, as torch.load requires; the
+        records are found through the zip directory, so its value is not needed."""
+        if self._prefix + ".storage_alignment" not in self._zip.directory:
+            return
+        text = self._small_record(".storage_alignment", limit=16)
+        if not (text.isdigit() and text.isascii() and int(text) > 0):
+            raise CheckpointFormatError(
+                f"{self.path}: its record {self._prefix + '.storage_alignment'!r} holds {text[:16]!r}, not a positive "
+                f"number (torch.save writes b'64'; torch.load refuses anything else). The file is damaged. {_RESAVE}")
+
+    def _unpickle(self) -> tuple[Any, set[str], dict[int, tuple[Any, Any]]]:
         data = self._small_record("data.pkl")
-        unpickler = InertUnpickler(io.BytesIO(data), self._storage)
+        unpickler = InertUnpickler(io.BytesIO(data), self._storage, nbytes=len(data))
         try:
             obj = unpickler.load()
         except CheckpointFormatError:
@@ -158,7 +134,20 @@ class TorchZipFile(OpenedFile):
             raise CheckpointFormatError(
                 f"{self.path}: its pickle (data.pkl) cannot be read: {type(e).__name__}: {str(e)[:200]}. {_RESAVE}"
             ) from e
-        return obj, unpickler.inert
+        return obj, unpickler.inert, unpickler.built_on
+
+    def _refuse_built_on(self, built_on: dict[int, tuple[Any, Any]]) -> None:
+        """Refuse a file whose pickle sets attributes on a tensor or storage after building it (a BUILD); torch.save
+        never writes one and torch.load refuses it. Applied, ``{"offset": -64}`` would read bytes outside the
+        tensor's storage."""
+        keys = [key for key, value in self._state.items() if id(value) in built_on]
+        where = (f"tensor {format_names(keys)}" if keys else
+                 f"{len(built_on)} tensor(s) in the entries beside {'the weights' if self.entry else 'its tensors'}")
+        states = format_names([repr(state)[:60] for _, state in built_on.values()], 3, quote=False)
+        raise UnsafeCheckpointError(
+            f"{self.path}: its pickle sets attributes on {where} after building it ({states}), which torch.save "
+            "never writes and torch.load refuses; nothing was applied or read. The file was altered: download or "
+            "save it again from a source you trust.")
 
     def _storage(self, key: str, dtype: torch.dtype | None, numel: int) -> StorageRef:
         """The storage ``data/<key>`` the pickle refers to (its record is checked when a tensor uses it)."""
@@ -177,8 +166,8 @@ class TorchZipFile(OpenedFile):
                     f"{self.path}: tensor {key!r}: its storage record {info.filename!r} holds {info.file_size} bytes, "
                     f"but the pickle says {storage.numel} x {storage.dtype or 'byte'} = {storage.nbytes} bytes. "
                     f"The file is truncated or damaged: download or save it again.")
-            self._offsets[storage.key] = self._data_offset(info)
-            self._crcs[storage.key] = info
+            self._offsets[storage.key] = self._zip.data_offset(info)
+            self._crcs[storage.key] = info.CRC
         return self._offsets[storage.key]
 
     def _unwrap(self) -> tuple[Mapping[str, Any], str]:
@@ -187,9 +176,9 @@ class TorchZipFile(OpenedFile):
         if isinstance(obj, Mapping):
             for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
                 inner = obj.get(entry)
-                if isinstance(inner, Mapping) and any(isinstance(v, TensorRef) for v in inner.values()):
+                if isinstance(inner, Mapping) and any(_is_tensor(v) for v in inner.values()):
                     return inner, entry
-            if any(isinstance(v, TensorRef) for v in obj.values()):
+            if any(_is_tensor(v) for v in obj.values()):
                 return obj, ""
         if self.inert:
             raise UnsafeCheckpointError(
@@ -209,6 +198,9 @@ class TorchZipFile(OpenedFile):
                                         "keys must be strings (module names). Save the model's state_dict().")
         if isinstance(value, TensorRef):
             return value
+        if isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild_tensor") and value.why:
+            raise CheckpointFormatError(f"{self.path}: tensor {key!r} cannot be read: {value.why}. The file is "
+                                        f"damaged or was altered. {_RESAVE}")
         if isinstance(value, Inert) and value.name.startswith("torch."):
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} is a kind lightning_lowmem cannot read (sparse, quantized, meta, "
@@ -227,12 +219,13 @@ class TorchZipFile(OpenedFile):
         if storage.nbytes % itemsize:
             raise CheckpointFormatError(f"{self.path}: tensor {key!r} is {ref.dtype}, but its storage holds "
                                         f"{storage.nbytes} bytes, not a whole number of elements. {_RESAVE}")
-        if math.prod(ref.shape):
-            last = ref.offset + sum((size - 1) * stride for size, stride in zip(ref.shape, ref.stride))
-            if last >= elements:
-                raise CheckpointFormatError(
-                    f"{self.path}: tensor {key!r} (shape {list(ref.shape)}, stride {list(ref.stride)}, offset "
-                    f"{ref.offset}) reaches element {last} of a storage of {elements}. The file is damaged. {_RESAVE}")
+        # the view's last element must be in the storage; an empty view's offset at most at its end (torch checks it)
+        last = ref.offset + sum((size - 1) * stride for size, stride in zip(ref.shape, ref.stride)) \
+            if math.prod(ref.shape) else ref.offset - 1
+        if last >= elements:
+            raise CheckpointFormatError(
+                f"{self.path}: tensor {key!r} (shape {list(ref.shape)}, stride {list(ref.stride)}, offset "
+                f"{ref.offset}) reaches element {last} of a storage of {elements}. The file is damaged. {_RESAVE}")
         return _Location(start, ref)
 
     # ------------------------------------------------------------ data
@@ -257,20 +250,28 @@ class TorchZipFile(OpenedFile):
             out = torch.empty(ref.shape, dtype=ref.dtype) if out is None else out
             self.read_into(out, loc.offset + ref.offset * ref.dtype.itemsize)
             if ref.offset == 0 and out.nbytes == ref.storage.nbytes:  # the whole record: check its CRC-32
-                _check_crc(self.path, self._crcs[ref.storage.key], _crc(out), key)
+                self._check_crc(ref.storage.key, crc_of(out), key)
             return out
         # A strided view (rare in checkpoints): read its whole storage, then copy the view out.
         whole = self.read_into(torch.empty(ref.storage.nbytes // ref.dtype.itemsize, dtype=ref.dtype), loc.offset)
-        _check_crc(self.path, self._crcs[ref.storage.key], _crc(whole), key)
+        self._check_crc(ref.storage.key, crc_of(whole), key)
         return whole.as_strided(ref.shape, ref.stride, ref.offset).clone()
 
     def map(self, key: str) -> torch.Tensor | None:
-        """Tensor ``key`` over the file's mapped pages, not read and not CRC-checked (see
-        :meth:`OpenedFile.mapped_view`); None for a strided view."""
-        loc = self._locations[key]
-        if not loc.contiguous:
+        """Tensor ``key`` over the file's mapped pages (see :meth:`OpenedFile.mapped_view`), its storage record
+        checked against its CRC-32 over those pages (which reads each of them once); None (read it instead) for a
+        strided view, and for a second tensor on a storage already mapped: two keys on one storage are two
+        tensors of their own, as the copying load makes them, never views that write through to each other."""
+        loc, ref = self._locations[key], self._locations[key].ref
+        if not loc.contiguous or ref.storage.key in (self._mapped_storages or ()):
             return None
-        return self.mapped_view(loc.offset + loc.ref.offset * loc.ref.dtype.itemsize, loc.ref.shape, loc.ref.dtype)
+        tensor = self.mapped_view(loc.offset + ref.offset * ref.dtype.itemsize, ref.shape, ref.dtype)
+        if tensor is not None:
+            record = self.mapped_view(loc.offset, (ref.storage.nbytes,), torch.uint8)
+            self._check_crc(ref.storage.key, crc_of(record), key)
+            self._mapped_storages = self._mapped_storages or set()
+            self._mapped_storages.add(ref.storage.key)
+        return tensor
 
     def reads_rows(self, key: str) -> bool:
         return self._locations[key].contiguous and len(self._records[key].shape) >= 1
@@ -285,6 +286,9 @@ class TorchZipFile(OpenedFile):
         self._check_rows_crc(key, loc, start, stop, out)
         return out
 
+    def _check_crc(self, storage_key: str, crc: int, what: str) -> None:
+        check_crc(self.path, f"{self._prefix}data/{storage_key}", self._crcs[storage_key], crc, what)
+
     def _check_rows_crc(self, key: str, loc: _Location, start: int, stop: int, rows: torch.Tensor) -> None:
         """Blocks of rows read in order, from the first to the last, are checked against the record's CRC-32."""
         if loc.ref.offset != 0 or math.prod(loc.ref.shape) * loc.ref.dtype.itemsize != loc.ref.storage.nbytes:
@@ -292,58 +296,50 @@ class TorchZipFile(OpenedFile):
         expected, crc = self._rows_crc.pop(key, (0, 0))
         if start != expected:
             return  # out of order: not checked
-        crc = _crc(rows, crc)
+        crc = crc_of(rows, crc)
         if stop < loc.ref.shape[0]:
             self._rows_crc[key] = (stop, crc)
         else:
-            _check_crc(self.path, self._crcs[loc.ref.storage.key], crc, key)
+            self._check_crc(loc.ref.storage.key, crc, key)
 
     def other_entries(self) -> tuple[dict[str, Any], list[str]]:
         """The top-level entries other than the weights' (:attr:`entry`), their tensors read, and where in them
         objects stand that were not built (``"hyper_parameters.path"``).
 
-        Empty for a bare state dict. The weights are not read.
+        Empty for a bare state dict. The weights are not read. Built as ``torch.load`` builds them (see
+        ``entries.py``): an object the pickle refers to twice is one object, and the tensors on one storage
+        are views of it, read once. At most one item per byte of the file is built.
         """
         if not self.entry:
             return {}, []
         rest = {name: value for name, value in self._checkpoint.items() if name != self.entry}
+        storages: dict[str, torch.Tensor] = {}
+
+        def tensor_of(ref: TensorRef, where: str) -> torch.Tensor:
+            self._locate(where, ref)  # its view fits its storage
+            if ref.storage.key not in storages:
+                storages[ref.storage.key] = self._read_storage(ref.storage, where)
+            return storages[ref.storage.key].view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
+
         try:
-            return self._materialize(rest), inert_paths(rest)
+            return rebuild(rest, tensor_of, limit=self.size), inert_paths(rest)
         except RecursionError as e:
             raise CheckpointFormatError(f"{self.path}: its entries beside the weights nest too deeply to read. "
                                         f"{_RESAVE}") from e
+        except EntriesTooLargeError:
+            raise CheckpointFormatError(
+                f"{self.path}: its entries beside the weights hold more than {self.size} items, more than a file of "
+                f"{self.size} bytes can describe; the file is damaged or crafted. {_RESAVE}") from None
 
-    def _materialize(self, value: Any) -> Any:
-        """``value`` with every tensor reference read into a tensor of its own."""
-        if isinstance(value, TensorRef):
-            return self._read(self._locate("(an entry beside the weights)", value), key="(an entry beside the weights)")
-        if isinstance(value, dict):
-            out = collections.OrderedDict() if isinstance(value, collections.OrderedDict) else {}
-            for k, v in value.items():
-                out[k] = self._materialize(v)
-            return out
-        if isinstance(value, (list, tuple)):
-            items = [self._materialize(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+    def _read_storage(self, storage: StorageRef, where: str) -> torch.Tensor:
+        """A storage's record read whole (its bytes), checked against its CRC-32."""
+        data = self.read_into(torch.empty(storage.nbytes, dtype=torch.uint8), self._record_of(storage, where))
+        self._check_crc(storage.key, crc_of(data), where)
+        return data
 
 
-def _crc(tensor: torch.Tensor, crc: int = 0) -> int:
-    """CRC-32 of a CPU tensor's bytes (zlib releases the GIL: a read-ahead thread computes it in parallel)."""
-    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
+def _is_tensor(value: Any) -> bool:
+    """A tensor the pickle describes, readable or not (its view refused by the unpickler)."""
+    return isinstance(value, TensorRef) or (isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild"))
 
 
-def _check_crc(path: Path, info: zipfile.ZipInfo, crc: int, what: str) -> None:
-    if crc != info.CRC:
-        raise CheckpointFormatError(
-            f"{path}: {what or info.filename!r}: the bytes of record {info.filename!r} do not match the CRC-32 its zip "
-            f"directory records ({crc:#010x}, expected {info.CRC:#010x}). The file is damaged: download or save it "
-            "again.")
-
-
-def _open_zip(f: BinaryIO, path: Path) -> zipfile.ZipFile:
-    try:
-        return zipfile.ZipFile(f)
-    except Exception as e:  # zipfile raises BadZipFile, but also ValueError, NotImplementedError, ... on damaged files
-        raise CheckpointFormatError(f"{path} is a damaged zip archive ({e}); it is most likely truncated. "
-                                    "Download or save it again.") from e

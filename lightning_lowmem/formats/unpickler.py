@@ -15,8 +15,14 @@ size, stride, ...)`` whose storages are records of the zip file. Unpickling it w
   that records the name and its arguments. Nothing is imported, constructed or called.
 
 The unpickler is Python's own (``pickle._Unpickler``), with its lookup of globals and
-its object-building opcodes replaced. It allocates nothing the pickle's own bytes do not
-hold, so a pickle can cost no more memory than its size.
+its object-building opcodes replaced. What it builds is bounded by the pickle's size: the
+containers it may construct copy and hash at most a few times as many items as the pickle
+has bytes (``list(x)`` repeated on one large ``x``, or a tuple nested on itself used as a
+dict key, would otherwise cost memory or time exponential in the pickle's size), and a
+pickle's BUILD (attributes set on an object after it is made) is kept on placeholders,
+applied to nothing else but an ``OrderedDict``'s ``_metadata`` (as torch applies it), and
+refused on a tensor or a storage: torch.save never writes it, and applied it would move a
+tensor outside its storage.
 """
 
 from __future__ import annotations
@@ -24,11 +30,18 @@ from __future__ import annotations
 import codecs
 import collections
 import io
+import math
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+_WORK_PER_BYTE = 8
+"""Items the unpickler may copy (``list(x)``, ``set(x)``) or hash through nested tuples (dict keys), per byte of
+the pickle: a pickle builds each item from at least one byte of its own, so its own data stays far below."""
+_WORK_FLOOR = 2**16
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
 
 _STORAGE_DTYPES: dict[str, torch.dtype | None] = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -44,7 +57,7 @@ _BUILTINS = {name: getattr(__import__("builtins"), name)
              for name in ("set", "frozenset", "list", "dict", "tuple", "slice", "complex", "int", "float", "bool", "str")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """A storage the pickle refers to: the zip record ``data/<key>``.
 
@@ -63,7 +76,7 @@ class StorageRef:
         return self.numel * (self.dtype.itemsize if self.dtype is not None else 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A tensor the pickle describes, not read: a view ``(offset, shape, stride)`` of a storage, in elements."""
 
@@ -82,11 +95,14 @@ class Inert:
         name: ``"module.qualname"`` of the global.
         args: the arguments the pickle would have called it with.
         state: what the pickle would have set on it.
+        why: why it was not built, when the global is one that is built for valid arguments (a tensor
+            whose view has negative numbers); empty for a global that is never built.
     """
 
     name: str
     args: tuple[Any, ...] = ()
     state: Any = None
+    why: str = ""
 
     def __setstate__(self, state: Any) -> None:  # pickle's BUILD: keep, never apply
         self.state = state
@@ -129,8 +145,14 @@ def _rebuild_tensor_v3(storage: Any, offset: Any, size: Any, stride: Any, requir
 def _tensor(storage: StorageRef, dtype: torch.dtype, offset: Any, size: Any, stride: Any) -> TensorRef | Inert:
     size = tuple(size) if isinstance(size, (tuple, list)) else (None,)
     stride = tuple(stride) if isinstance(stride, (tuple, list)) else (None,)
+    why = ""
     if not all(type(v) is int and v >= 0 for v in (offset, *size, *stride)) or len(size) != len(stride):
-        return Inert("torch._utils._rebuild_tensor_v2", (storage, offset, size, stride))
+        why = "its offset, shape and stride must be as many non-negative integers as it has dimensions"
+    elif math.prod(size) * dtype.itemsize >= 2**63 or max((offset, *size, *stride)) >= 2**63:
+        why = "its shape or stride is larger than any tensor can be"
+    if why:
+        return Inert("torch._utils._rebuild_tensor_v2", (storage, offset, size, stride),
+                     why=f"{why} (offset {offset!r}, shape {list(size)!r}, stride {list(stride)!r})")
     return TensorRef(storage, dtype, offset, size, stride)
 
 
@@ -140,9 +162,16 @@ def _rebuild_parameter(data: Any, *rest: Any) -> Any:
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     """``torch._tensor._rebuild_from_type_v2``: a tensor subclass; only plain tensors and Parameters are data."""
-    if new_type in (torch.Tensor, torch.nn.Parameter) and callable(func) and isinstance(args, tuple):
+    if new_type in (torch.Tensor, torch.nn.Parameter) and func in _TENSOR_REBUILDERS and isinstance(args, tuple):
         return func(*args)
     return Inert("torch._tensor._rebuild_from_type_v2", (func, new_type))
+
+
+def _encode(text: Any, encoding: Any = "utf-8", errors: Any = "strict") -> Any:
+    """``_codecs.encode``, with which protocol 2 pickles write bytes: latin-1 only, so no bigger than its text."""
+    if type(text) is str and encoding in ("latin1", "latin-1") and errors == "strict":
+        return codecs.encode(text, "latin1")
+    return Inert("_codecs.encode", (text, encoding, errors))
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -156,14 +185,18 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
-    ("_codecs", "encode"): codecs.encode,  # bytes, in protocol 2 pickles: no bigger than the text they come from
+    ("_codecs", "encode"): _encode,
     **{("builtins", name): value for name, value in _BUILTINS.items()},
     **{("__builtin__", name): value for name, value in _BUILTINS.items()},
 }
 _CONSTRUCTIBLE = (collections.OrderedDict, torch.Size, torch.device, *_BUILTINS.values())
 """The types a pickle may build: containers and values whose construction runs no user code and
 allocates no more than their arguments."""
-_REBUILDERS = (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter, _rebuild_from_type_v2, codecs.encode)
+_SCALAR_TYPES = (int, float, complex, bool, str, slice)
+"""Built from numbers and strings only (``str`` of a nested list would cost time exponential in its depth)."""
+_CONTAINERS = (list, tuple, dict, set, frozenset, collections.OrderedDict)
+_TENSOR_REBUILDERS = (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter)
+_REBUILDERS = (*_TENSOR_REBUILDERS, _rebuild_from_type_v2, _encode)
 
 
 class InertUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcodes can be overridden one by one
@@ -173,12 +206,20 @@ class InertUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcod
         file: the pickle's bytes, as a binary file.
         storage: ``storage(key, dtype, numel)`` checks that the storage a tensor refers to exists
             and returns its :class:`StorageRef` (raising a typed error when it does not).
+        nbytes: the pickle's size, which bounds the items its constructors may copy and hash.
+
+    Attributes:
+        inert: the globals that were not built.
+        built_on: every tensor or storage reference the pickle set attributes on (a BUILD), with what
+            it would have set; the reference itself is left as the pickle first made it.
     """
 
-    def __init__(self, file: io.BufferedIOBase, storage: Any) -> None:
+    def __init__(self, file: io.BufferedIOBase, storage: Any, nbytes: int = 0) -> None:
         super().__init__(file, encoding="utf-8")
         self._storage = storage
-        self.inert: set[str] = set()  # the globals that were not built
+        self._work = _WORK_PER_BYTE * nbytes + _WORK_FLOOR
+        self.inert: set[str] = set()
+        self.built_on: dict[int, tuple[TensorRef | StorageRef, Any]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
@@ -201,51 +242,98 @@ class InertUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its opcod
             raise pickle.UnpicklingError(f"storage reference {str(pid)[:80]} is malformed")
         return self._storage(str(key), storage_type.dtype, numel)
 
+    def _spend(self, items: int) -> None:
+        """Count ``items`` copied or hashed against what the pickle's size allows."""
+        self._work -= items
+        if self._work < 0:
+            raise pickle.UnpicklingError(
+                "it asks to copy or hash far more items than its bytes hold (a container copied again and again, "
+                "or a tuple nested on itself used as a key); torch.save never writes such a pickle")
+
+    def _keys(self, keys: Any) -> None:
+        """Charge the hashing of ``keys``: a tuple's hash visits every tuple nested in it, shared or not."""
+        stack = [k for k in keys if type(k) is tuple]
+        while stack:
+            key = stack.pop()
+            self._spend(len(key) + 1)
+            stack.extend(k for k in key if type(k) is tuple)
+
+    def _build(self, func: Any, args: Any, kwargs: Any, new: bool = False) -> Any:
+        """What the pickle asks ``func`` to make of ``args``: the allowed containers and values, tensor references,
+        and an :class:`Inert` for everything else (the global is never called)."""
+        if func in _REBUILDERS:
+            return func(*args, **kwargs)
+        if isinstance(func, type) and func in _CONSTRUCTIBLE:
+            if func in _SCALAR_TYPES and not all(type(a) in _SCALARS for a in (*args, *dict(kwargs).values())):
+                return Inert(func.__qualname__, tuple(args), why="a value built from a container")
+            for arg in args:
+                if type(arg) in _CONTAINERS:
+                    self._spend(len(arg))
+                    self._keys(arg)
+            return func.__new__(func, *args, **kwargs) if new else func(*args, **kwargs)
+        name = func.name if isinstance(func, _Global) else getattr(func, "__qualname__", type(func).__name__)
+        return Inert(name, tuple(args) + tuple(dict(kwargs).items()))
+
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(_build(cls, args, {}, new=True))
+        self.append(self._build(cls, args, {}, new=True))
 
     def load_newobj_ex(self) -> None:
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(_build(cls, args, kwargs, new=True))
+        self.append(self._build(cls, args, kwargs, new=True))
 
     def load_reduce(self) -> None:
         args = self.stack.pop()
-        self.stack[-1] = _build(self.stack[-1], args, {})
+        self.stack[-1] = self._build(self.stack[-1], args, {})
 
     def _instantiate(self, klass: Any, args: Any) -> None:  # INST and OBJ (protocols 0 and 1)
-        self.append(_build(klass, tuple(args), {}))
+        self.append(self._build(klass, tuple(args), {}))
+
+    def load_build(self) -> None:
+        """BUILD: kept on a placeholder, noted on a tensor or storage (the file is refused), an ``OrderedDict``'s
+        attributes (a state dict's ``_metadata``) set as torch sets them, refused on anything else."""
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if isinstance(inst, Inert):
+            inst.state = state
+        elif isinstance(inst, (TensorRef, StorageRef)):
+            self.built_on[id(inst)] = (inst, state)
+        elif type(inst) is collections.OrderedDict and isinstance(state, dict) and all(type(k) is str for k in state):
+            inst.__dict__.update(state)
+        else:
+            raise pickle.UnpicklingError(f"it sets attributes on a {type(inst).__name__} (BUILD), which torch.save "
+                                         "never writes")
+
+    def load_setitem(self) -> None:
+        self._keys(self.stack[-2:-1])
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        self._keys(self.stack[0::2])  # the items above the mark: key, value, key, value...
+        super().load_setitems()
+
+    def load_dict(self) -> None:
+        self._keys(self.stack[0::2])
+        super().load_dict()
+
+    def load_additems(self) -> None:
+        self._keys(self.stack)
+        super().load_additems()
+
+    def load_frozenset(self) -> None:
+        self._keys(self.stack)
+        super().load_frozenset()
 
     dispatch = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.NEWOBJ[0]] = load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
     dispatch[pickle.REDUCE[0]] = load_reduce
-
-
-def _build(func: Any, args: Any, kwargs: Any, new: bool = False) -> Any:
-    """What the pickle asks ``func`` to make of ``args``: the allowed containers and values, tensor references,
-    and an :class:`Inert` for everything else (the global is never called)."""
-    if func in _REBUILDERS:
-        return func(*args, **kwargs)
-    if isinstance(func, type) and func in _CONSTRUCTIBLE:
-        return func.__new__(func, *args, **kwargs) if new else func(*args, **kwargs)
-    name = func.name if isinstance(func, _Global) else getattr(func, "__qualname__", type(func).__name__)
-    return Inert(name, tuple(args) + tuple(dict(kwargs).items()))
-
-
-def inert_paths(obj: Any, prefix: str = "") -> list[str]:
-    """Where in ``obj`` the :class:`Inert` placeholders are (``"hyper_parameters.path"``), outermost first."""
-    found: list[str] = []
-    stack: list[tuple[str, Any]] = [(prefix, obj)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, Inert):
-            found.append(where or "(the whole object)")
-        elif isinstance(value, dict):
-            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-    return sorted(found)
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.DICT[0]] = load_dict
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+    dispatch[pickle.FROZENSET[0]] = load_frozenset

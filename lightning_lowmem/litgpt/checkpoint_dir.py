@@ -20,6 +20,7 @@ time); Fabric only sets the loaded module up for its precision. Caches are sized
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundErr
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
+from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import init_empty
@@ -65,9 +67,11 @@ class LitgptCheckpoint:
 
     @classmethod
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
-             require_config: bool = True) -> LitgptCheckpoint:
+             require_config: bool = True, tokenizer: bool = True) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
         directory holds several).
+
+        With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only).
 
         Raises:
             CheckpointNotFoundError: ``path`` does not exist or holds no weights.
@@ -80,11 +84,23 @@ class LitgptCheckpoint:
             raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
         weights, why = _chosen_weights(path, config, prefer)
         if _is_gguf(weights):
-            return cls._from_gguf(directory, weights, config, why)
+            return cls._from_gguf(directory, weights, config, why, tokenizer)
         origin = "given"
         if config is None:
             config, origin = _directory_config(directory, require_config)
-        return cls(directory, weights, config, _tokenizer(directory), why=why, config_source=origin)
+        if config is not None:
+            _check_fits(config, weights)
+        return cls(directory, weights, config, _tokenizer(directory) if tokenizer else None, why=why,
+                   config_source=origin)
+
+    def with_config(self, config: Any) -> LitgptCheckpoint:
+        """The same weights with another litgpt config, checked against their headers first.
+
+        Raises:
+            CheckpointMismatchError: the config's counts or widths do not fit the weights.
+        """
+        _check_fits(config, self.weights)
+        return dataclasses.replace(self, config=config, config_source="given")
 
     @property
     def chosen(self) -> Chosen:
@@ -92,10 +108,11 @@ class LitgptCheckpoint:
         return Chosen(self.weights, self.why)
 
     @classmethod
-    def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str) -> LitgptCheckpoint:
+    def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str,
+                   tokenizer: bool = True) -> LitgptCheckpoint:
         """A GGUF file: the config (unless given) and the tokenizer from the file itself."""
         with Checkpoint.open(weights) as ckpt:
-            source = read_gguf_source(ckpt)
+            source = read_gguf_source(ckpt, tokenizer=tokenizer)
         origin = "given" if config is not None else "the GGUF file's metadata"
         config = config or litgpt_config(source.hf_config, source.names)
         return cls(directory, weights, config, source.tokenizer, source, why=why, config_source=origin)
@@ -110,9 +127,18 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple
     if len(sets) == 1:
         return sets[0].path, f"{sets[0].path}: the only weights in {path}"
     config = config or _directory_config(path, required=False)[0]
+    if config is not None:
+        _check_fits(config, sets[0].path)  # before a model is built from it to compare the sets
     with contextlib.ExitStack() as stack:
         choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack)
     return choice.path, choice.why
+
+
+def _check_fits(config: Any, weights: Path) -> None:
+    """The config's counts and widths against the weights' headers, before any model is built from it
+    (:func:`~lightning_lowmem.litgpt.config_check.check_config_fits`)."""
+    with Checkpoint.open(weights) as ckpt:
+        check_config_fits(config, ckpt.records, ckpt.description)
 
 
 def build_meta_gpt(config: Any) -> nn.Module:
@@ -159,7 +185,7 @@ def _directory_config(directory: Path, required: bool) -> tuple[Any | None, str]
     """:func:`find_config` of ``directory``; with ``required`` False, ``(None, why not)`` where it finds none."""
     try:
         return find_config(directory)
-    except (ValueError, CheckpointFormatError) as e:
+    except ValueError as e:  # none found; a config file that cannot be read is an error either way
         if required:
             raise
         return None, str(e)
@@ -172,7 +198,8 @@ def find_config(directory: Path) -> tuple[Any, str]:
     Raises:
         CheckpointNotFoundError: ``directory`` is not a directory.
         ValueError: none of these gives a config; the message lists what was tried.
-        CheckpointFormatError: ``config.json`` is not a JSON object.
+        CheckpointFormatError: ``model_config.yaml`` cannot be read as a litgpt config (:func:`config_from_file`), or
+            ``config.json`` is not a JSON object.
     """
     Config = import_litgpt(needed_by="Finding a checkpoint's litgpt config").Config
 
@@ -180,7 +207,7 @@ def find_config(directory: Path) -> tuple[Any, str]:
         raise CheckpointNotFoundError(f"Checkpoint directory {str(directory)!r} does not exist (or is a file). "
                                       "Check the path.")
     if (directory / "model_config.yaml").is_file():
-        return Config.from_file(directory / "model_config.yaml"), "model_config.yaml"
+        return config_from_file(directory / "model_config.yaml"), "model_config.yaml"
     with contextlib.suppress(ValueError):
         return Config.from_name(directory.name), f"the directory's name {directory.name!r}"
     tried = f"no model_config.yaml in {str(directory)!r}, and its name {directory.name!r} is no litgpt model name"
@@ -192,6 +219,25 @@ def find_config(directory: Path) -> tuple[Any, str]:
         return config_from_hf_json(directory / "config.json")
     except ValueError as e:
         raise ValueError(f"No litgpt config for {str(directory)!r}: {tried}. {e}") from e
+
+
+def config_from_file(path: Path) -> Any:
+    """litgpt's ``Config.from_file(path)``, a file that is not a litgpt config being a typed error naming it.
+
+    Raises:
+        CheckpointFormatError: ``path`` is not YAML (a syntax error, a ``!!python/...`` tag, which ``yaml.safe_load``
+            refuses), not a mapping, or not ``Config``'s fields.
+    """
+    Config = import_litgpt(needed_by="Reading a model_config.yaml").Config
+
+    try:
+        return Config.from_file(path)
+    except Exception as e:  # noqa: BLE001  (yaml's, litgpt's and Config's errors: any of them means a bad file)
+        raise CheckpointFormatError(
+            f"{path} is not a litgpt config ({type(e).__name__}: {' '.join(str(e).split())[:300]}). It must be a YAML "
+            "mapping of litgpt Config's fields, as litgpt "
+            "writes it (litgpt.utils.save_config); fix or remove it, or pass the config another way (--config NAME, "
+            "or config=litgpt.Config.from_name(NAME)).") from e
 
 
 def has_tokenizer(directory: Path) -> bool:

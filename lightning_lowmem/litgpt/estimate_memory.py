@@ -62,8 +62,8 @@ def estimate_memory(
         source: a checkpoint (file or directory, as :func:`~lightning_lowmem.load_checkpoint` takes), a litgpt
             ``Config``, or a litgpt model name (``"pythia-1b"``; a string that is no existing path). For a
             checkpoint, the litgpt config is ``config``, else the directory's ``model_config.yaml``, its name or
-            its HF ``config.json`` (a GGUF file's: built from its metadata); without one, Linear weights are
-            guessed from key names and caches are not estimated.
+            its HF ``config.json`` (a GGUF file's: built from its metadata; the tokenizer its vocabulary becomes is
+            counted too); without one, Linear weights are guessed from key names and caches are not estimated.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         quantize / skip_quantize / key_map / max_memory: as :func:`~lightning_lowmem.load_checkpoint`.
             With ``max_memory`` (needs a litgpt config) the estimate carries the placement plan the load
@@ -98,7 +98,7 @@ def estimate_memory(
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
                                 max_memory=max_memory, disk_offload=disk_offload, batch_size=batch_size, strict=False)
     with contextlib.ExitStack() as stack:
-        model, source, name = _model_and_source(source, config, options, stack)
+        model, source, name, tokenizer = _model_and_source(source, config, options, stack)
         is_litgpt = hasattr(model, "config")
         length = max_seq_length or (model.config.block_size if is_litgpt else 0)
         if is_litgpt and length > model.config.block_size:
@@ -112,6 +112,7 @@ def estimate_memory(
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
                             with_caches=is_litgpt)
+    est.tokenizer = tokenizer
     if not is_litgpt:
         est.notes.append("no litgpt config: KV cache, mask, RoPE and activations not estimated; "
                          "Linear layers guessed from key names and shapes")
@@ -136,23 +137,29 @@ def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: floa
 
 
 def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
-                      stack: contextlib.ExitStack) -> tuple[nn.Module, Source, str]:
+                      stack: contextlib.ExitStack) -> tuple[nn.Module, Source, str, int]:
     """The meta-built litgpt model (a stand-in module without a config), the resolved source to plan from (opened
-    on ``stack``), and a name for the estimate. The weights and the config are found as ``generate`` finds them."""
+    on ``stack``), a name for the estimate, and the bytes of the tokenizer a GGUF file's vocabulary becomes (0 for
+    other checkpoints). The weights and the config are found as ``generate`` finds them."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
         records = {n: TensorRecord(n, tuple(t.shape), options.dtype if t.is_floating_point() else t.dtype,
                                    Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
-        return model, records_source(records, options, f"the config {source.name!r}"), source.name
-    found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False)
-    if found.config is None:  # no model to build: a stand-in of the checkpoint's own tensors
-        resolved_source = stack.enter_context(resolved(found.chosen, None, options))
+        return model, records_source(records, options, f"the config {source.name!r}"), source.name, 0
+    found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False, tokenizer=False)
+    model = build_meta_gpt(found.config) if found.config is not None else None
+    resolved_source = stack.enter_context(resolved(found.chosen, model, options))
+    tokenizer = 0
+    if found.gguf is not None:  # generate() builds a tokenizer from the file's vocabulary: it stays resident
+        from lightning_lowmem.litgpt.gguf_tokenizer import tokenizer_nbytes
+
+        tokenizer = tokenizer_nbytes(resolved_source.checkpoint.gguf.layout.arrays, found.gguf.hf_config.model_type)
+    if model is None:  # no model to build: a stand-in of the checkpoint's own tensors
         model = stand_in_module(resolved_source.stored.logical_records(resolved_source.records))
-        return model, resolved_source, str(source)
-    model = build_meta_gpt(found.config)
-    return model, stack.enter_context(resolved(found.chosen, model, options)), found.config.name
+        return model, resolved_source, str(source), tokenizer
+    return model, resolved_source, found.config.name, tokenizer
 
 
 def stand_in_module(records: dict[str, TensorRecord]) -> nn.Module:

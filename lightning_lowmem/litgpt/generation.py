@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,7 @@ def load_for_generation(
 def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None, options: LoadOptions) -> LitgptCheckpoint:
     if not isinstance(checkpoint, LitgptCheckpoint):
         return LitgptCheckpoint.find(checkpoint, config, options.prefer)
-    return checkpoint if config is None else replace(checkpoint, config=config)
+    return checkpoint if config is None else checkpoint.with_config(config)
 
 
 def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,

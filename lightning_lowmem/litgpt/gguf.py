@@ -1,27 +1,27 @@
-"""A GGUF file for litgpt's ``GPT``: config and tokenizer from the file, tensors converted as they stream in.
+"""A GGUF file for litgpt's ``GPT``: config, tokenizer and chat template from the file, tensors converted as they stream in.
 
 Two conversions, each the owner's own code, chained per tensor::
 
     GGUF names, llama.cpp layouts --(transformers: name map, tensor processor)--> HF names and layouts
                                   --(litgpt: copy_weights_*, learned on meta; hf.py)--> litgpt's GPT
 
-* config: transformers builds its config from the file's metadata (``gguf_parsed``); litgpt has no
-  converter from a transformers config, so :func:`litgpt_config` takes litgpt's own named config when
-  the file names one whose shapes match, else fills litgpt's ``Config`` field by field for the
-  families whose HF checkpoints litgpt converts as Llama's (llama, mistral, qwen2, qwen3);
-* tokenizer: transformers' GGUF tokenizer converter (``convert_gguf_tokenizer``) builds a ``tokenizers``
-  tokenizer from the vocabulary; it is saved, with the file's BOS/EOS tokens, into a temporary
-  directory that litgpt's ``Tokenizer`` reads (litgpt's tokenizer is only built from a directory).
+* config: transformers' config of the file's metadata (``plan/gguf_config.py``, its counts checked
+  against the tensors first); litgpt has no converter from a transformers config, so
+  :func:`litgpt_config` fills litgpt's ``Config`` field by field for the families whose HF
+  checkpoints litgpt converts as Llama's (llama, mistral, qwen2, qwen3), then looks for litgpt's own
+  named config with the same fields (shapes, norms, RoPE): the one whose name shares the most words
+  with the file's names (``general.name``, ``general.basename``, ...), or the only one;
+* tokenizer: the file's vocabulary through transformers' GGUF converter (``gguf_tokenizer.py``);
+* chat template: the file's ``tokenizer.chat_template`` (``chat_template.py``).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import tempfile
-from collections.abc import Mapping
+import math
+import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +30,9 @@ from torch import nn
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.litgpt.hf import HFConversion, hf_to_litgpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
-from lightning_lowmem.plan import Combine
-from lightning_lowmem.plan.gguf import GGUFConversion, config_from_parsed, gguf_file_of, gguf_parsed, gguf_to_transformers
+from lightning_lowmem.plan import Combine, RowTransform
+from lightning_lowmem.plan.gguf import GGUFConversion, gguf_to_transformers
+from lightning_lowmem.plan.gguf_config import GROUPS, config_from_parsed, gguf_file_of, gguf_parsed
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,9 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2.5-gguf", {"attn_bias": True}),
     "qwen3": ("Qwen3-gguf", {"norm_qk": True}),
 }
-_SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "n_query_groups", "head_size", "intermediate_size", "padded_vocab_size")
+_NOT_COMPARED = ("name", "hf_config", "padding_multiple", "vocab_size")
+"""litgpt config fields a named config may differ in from the file's: names, and the vocabulary before padding
+(the model holds ``padded_vocab_size`` rows)."""
 
 
 @dataclass
@@ -51,55 +54,109 @@ class GGUFSource:
 
     Attributes:
         hf_config: transformers' config of the file.
-        tokenizer: a litgpt ``Tokenizer`` of its vocabulary, or None (prompts are then token ids).
+        tokenizer: a litgpt ``Tokenizer`` of its vocabulary (a ``GGUFTokenizer``), or None (prompts are then
+            token ids).
         names: the model names the file's metadata gives (``general.name``, ...), for litgpt's named configs.
+        chat_template: the file's chat template (``tokenizer.chat_template``), or None.
     """
 
     hf_config: Any
     tokenizer: Any | None
     names: list[str]
+    chat_template: str | None = None
 
 
 def read_gguf_source(checkpoint: Checkpoint, tokenizer: bool = True) -> GGUFSource:
-    """Config and (with ``tokenizer``) tokenizer of a GGUF checkpoint: transformers' parse of its header."""
+    """Config, names, chat template and (with ``tokenizer``) tokenizer of a GGUF checkpoint, from its header.
+
+    Raises:
+        CheckpointFormatError: an architecture transformers does not read, or counts (layers, heads, widths) that
+            disagree with the file's tensors.
+    """
     file = gguf_file_of(checkpoint)
-    parsed = gguf_parsed(checkpoint)
+    parsed = gguf_parsed(checkpoint, GROUPS if tokenizer else ("config",))
     meta = file.fields
     names = [str(meta[k]) for k in ("general.name", "general.basename") if isinstance(meta.get(k), str)]
     parts = [meta.get(k) for k in ("general.basename", "general.size_label", "general.finetune")]
     if all(isinstance(p, str) for p in parts[:2]):
         names.append("-".join(p for p in parts if isinstance(p, str)))
-    vocab = gguf_tokenizer(parsed, meta, file.path) if tokenizer else None
-    return GGUFSource(config_from_parsed(parsed), vocab, names)
+    vocab = None
+    if tokenizer:
+        from lightning_lowmem.litgpt.gguf_tokenizer import gguf_tokenizer
+
+        vocab = gguf_tokenizer(parsed, meta, file.path)
+    template = meta.get("tokenizer.chat_template")
+    return GGUFSource(config_from_parsed(parsed), vocab, names, template if isinstance(template, str) else None)
 
 
 def litgpt_config(hf_config: Any, names: list[str] | tuple[str, ...] = ()) -> Any:
     """litgpt's ``Config`` for a GGUF file's transformers config.
 
-    litgpt's own config when one of ``names`` is a litgpt model name with the same shapes; else built
-    field by field for llama, mistral, qwen2 and qwen3 files.
+    For llama, mistral, qwen2 and qwen3 files: built field by field, then litgpt's own named config with the
+    same fields when there is one (see the module's docstring). For other families: litgpt's config of a name
+    in ``names``.
 
     Raises:
-        ValueError: another family, or RoPE scaling litgpt's fields are not filled for: pass ``config=``.
+        ValueError: another family and no litgpt name in ``names``, or RoPE scaling litgpt's fields are not filled
+            for: pass ``config=``.
     """
+    built = _built_config(hf_config)
+    if built is None:
+        named = next((c for c in map(_config_named, names) if c is not None), None)
+        if named is None:
+            raise ValueError(
+                f"lightning_lowmem builds litgpt configs from GGUF files of {sorted(_FAMILIES)} models; this one is "
+                f"{getattr(hf_config, 'model_type', '?')!r} (names in the file: {names or 'none'}). Pass "
+                "config=litgpt.Config.from_name('<litgpt model name>') (--config NAME).")
+        return named
+    named = recognised_config(built, names)
+    if named is not None:
+        log.info("GGUF file: litgpt config %r", named.name)
+        return named
+    return built
+
+
+def _config_named(name: str) -> Any | None:
     Config = import_litgpt(needed_by="A GGUF file's litgpt config").Config
 
-    built = _built_config(hf_config)
-    for name in names:
-        for candidate in (name, name.replace(" ", "-")):
-            try:
-                named = Config.from_name(candidate)
-            except ValueError:
-                continue
-            if built is None or all(getattr(named, f) == getattr(built, f) for f in _SHAPE_FIELDS):
-                log.info("GGUF file: litgpt config %r", named.name)
-                return named
-    if built is None:
-        raise ValueError(
-            f"lightning_lowmem builds litgpt configs from GGUF files of {sorted(_FAMILIES)} models; this one is "
-            f"{getattr(hf_config, 'model_type', '?')!r} (names in the file: {names or 'none'}). Pass "
-            "config=litgpt.Config.from_name('<litgpt model name>').")
-    return built
+    for candidate in (name, name.replace(" ", "-")):
+        try:
+            return Config.from_name(candidate)
+        except ValueError:
+            continue
+    return None
+
+
+def recognised_config(built: Any, names: list[str] | tuple[str, ...] = ()) -> Any | None:
+    """litgpt's named config that equals ``built`` in every field but the name (norm epsilons to float32
+    precision): of several, the one whose name shares the most words with ``names`` (then the fewest others);
+    None when none matches, or several do and no name tells them apart."""
+    Config = import_litgpt(needed_by="A GGUF file's litgpt config").Config
+    configs = import_litgpt("litgpt.config", needed_by="A GGUF file's litgpt config").configs
+
+    same = [c for c in (Config(**d) for d in configs) if _same_fields(c, built)]
+    words = {w for name in names for w in _words(name)}
+    scored = sorted(((len(_words(c.name) & words), -len(_words(c.name) - words), c.name), c) for c in same)
+    if not scored or (scored[-1][0][0] == 0 and len(scored) > 1):
+        return None
+    return scored[-1][1]
+
+
+def _words(name: str) -> set[str]:
+    return {w for w in re.split(r"[-_ .]+", name.lower()) if w}
+
+
+def _same_fields(named: Any, built: Any) -> bool:
+    for f in dataclasses.fields(built):
+        if f.name in _NOT_COMPARED:
+            continue
+        a, b = getattr(named, f.name), getattr(built, f.name)
+        if isinstance(a, float) and isinstance(b, float):
+            if not math.isclose(a, b, rel_tol=1e-6):
+                return False
+        elif a != b:
+            return False
+    return True
 
 
 def _built_config(hf: Any) -> Any | None:
@@ -119,40 +176,6 @@ def _built_config(hf: Any) -> Any | None:
         head_size=head_size, intermediate_size=hf.intermediate_size, rotary_percentage=1.0, parallel_residual=False,
         bias=False, norm_class_name="RMSNorm", norm_eps=hf.rms_norm_eps, mlp_class_name="LLaMAMLP",
         rope_base=int(rope.get("rope_theta", getattr(hf, "rope_theta", 10000))), **extra)
-
-
-def gguf_tokenizer(parsed: Mapping[str, Any], metadata: Mapping[str, Any], path: Path) -> Any | None:
-    """litgpt's ``Tokenizer`` of the file's vocabulary, built by transformers' GGUF converter; None when the file
-    has no vocabulary or transformers has no converter for it (a warning says so: prompts are then token ids)."""
-    from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS, convert_gguf_tokenizer
-
-    vocab = dict(parsed.get("tokenizer") or {})
-    model_type = parsed["config"].get("model_type")
-    if "tokens" not in vocab or model_type not in GGUF_TO_FAST_CONVERTERS:
-        log.warning("%s: no tokenizer (%s); give prompts as token ids.", path,
-                    "no vocabulary in the file" if "tokens" not in vocab else f"transformers has none for {model_type!r}")
-        return None
-    fast, _ = convert_gguf_tokenizer(model_type, vocab)
-    spm = vocab.get("tokenizer_type", "llama") == "llama"
-    tokens = vocab["tokens"]
-    special = {name: tokens[i] for name in ("bos", "eos")
-               if isinstance(i := vocab.get(f"{name}_token_id"), int) and 0 <= i < len(tokens)}
-    settings = {f"{name}_token": token for name, token in special.items()}
-    settings["add_bos_token"] = bool(metadata.get("tokenizer.ggml.add_bos_token", spm))
-    settings["tokenizer_class"] = "LlamaTokenizerFast" if spm else "PreTrainedTokenizerFast"
-    return _litgpt_tokenizer(fast, settings, path.stem)
-
-
-def _litgpt_tokenizer(fast: Any, settings: dict[str, Any], name: str) -> Any:
-    """litgpt's ``Tokenizer`` over ``fast`` (a ``tokenizers.Tokenizer``), read from a temporary directory."""
-    Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="A GGUF file's tokenizer").Tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="lowmem-gguf-tokenizer-") as directory:
-        fast.save(str(Path(directory) / "tokenizer.json"))
-        (Path(directory) / "tokenizer_config.json").write_text(json.dumps(settings))
-        tokenizer = Tokenizer(directory)
-    tokenizer.model_name = name
-    return tokenizer
 
 
 @dataclass
@@ -185,13 +208,18 @@ class GGUFLitgptConversion:
         return self.to_litgpt.combine.fn(name, hf_parts)
 
     @property
-    def transform(self) -> Any:
-        """For the tensors litgpt takes as they are; None when transformers' processor changes nothing."""
-        return None if self.to_hf.transform is None else self._transform
+    def transform(self) -> RowTransform | None:
+        """For the tensors litgpt takes as they are (a block of rows at a time where transformers' processor
+        allows); None when the processor changes nothing."""
+        return None if self.to_hf.transform is None else RowTransform(self._transform, self._row_block)
 
     def _transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         key = self._renamed.get(name)
         return tensor if key is None else self.to_hf.process(key, tensor)
+
+    def _row_block(self, name: str) -> int | None:
+        key = self._renamed.get(name)
+        return 0 if key is None else self.to_hf.key_rows(key)
 
     def tie(self, module: nn.Module) -> None:
         self.to_litgpt.tie(module)

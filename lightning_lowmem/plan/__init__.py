@@ -17,12 +17,14 @@ from lightning_lowmem.plan.plan import (
     module_records,
     records_as_themselves,
 )
+from lightning_lowmem.plan.transform import RowTransform, row_block
 
 __all__ = [
     "Combine",
     "GGUFConversion",
     "KeyMap",
     "LoadPlan",
+    "RowTransform",
     "StoredForm",
     "Target",
     "apply_dtype_fallback",
@@ -33,4 +35,5 @@ __all__ = [
     "make_plan",
     "module_records",
     "records_as_themselves",
+    "row_block",
 ]

@@ -112,6 +112,8 @@ class Target:
     @property
     def read_nbytes(self) -> int:
         """Bytes read from the checkpoint for this tensor (only this rank's rows of a row shard)."""
+        if self.shard is None and not self.parts:  # the common case, asked several times per tensor
+            return self.record.nbytes
         rows = self.own_rows
         if rows is not None and self.stack is not None:
             return sum(p.nbytes // max(p.shape[0], 1) * (hi - lo) for p, lo, hi, _ in self.pieces())
@@ -368,7 +370,10 @@ def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | 
     return dtype if dtype is not None else tensor.dtype
 
 
+_CPU = torch.device("cpu")  # made once: torch.device("cpu") costs microseconds, once per tensor of the plan
+
+
 def _target_device(tensor: torch.Tensor, device: torch.device | None) -> torch.device:
     if device is not None:
         return device
-    return torch.device("cpu") if tensor.is_meta else tensor.device
+    return _CPU if tensor.is_meta else tensor.device

@@ -45,3 +45,28 @@ def test_the_same_replies_with_the_layers_on_disk(run_cli, chat_model_dir):
     assert streamed.returncode == 0, streamed.stderr
     assert _replies(streamed.stdout) == _replies(in_memory.stdout) and len(_replies(streamed.stdout)) == 3
     assert "on disk" in streamed.stderr
+
+
+def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
+    """The file's chat template, rendered and encoded as transformers' apply_chat_template(tokenize=True) does: its
+    first <|im_start|> (the file's BOS, not added to plain prompts) kept."""
+    import io
+
+    import litgpt.chat.base
+    import transformers
+
+    question = "What is the capital of France?"
+    seen, real = [], litgpt.chat.base.generate
+
+    def spy(model, prompt, *args, **kwargs):
+        seen.append(prompt.tolist())
+        return real(model, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(litgpt.chat.base, "generate", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO(question + "\n\n"))
+    assert main(["chat", str(gguf_chat_model), "--max_new_tokens", "4", "--top_k", "1"]) == 0
+    reference = transformers.AutoTokenizer.from_pretrained(gguf_chat_model.parent, gguf_file=gguf_chat_model.name)
+    want = reference.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=True)["input_ids"]
+    assert seen == [want] and want[0] == 1
+    assert ">> Reply: " in capsys.readouterr().out

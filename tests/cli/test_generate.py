@@ -87,3 +87,24 @@ def test_disk_offload_without_budgets_or_with_a_device_is_a_bad_argument(chat_mo
     assert "--disk_offload needs --max_memory" in capsys.readouterr().err
     assert main(["generate", str(chat_model_dir), "--prompt", "t1", "--device", "cpu", "--max_memory", "cpu=1GiB"]) == 2
     assert "--device or --max_memory, not both" in capsys.readouterr().err
+
+
+def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
+    """``--prompt`` and ``--sys_prompt`` through the file's chat template; the ids are transformers'
+    apply_chat_template(tokenize=True) ids, and the text printed is the decoded prompt and reply."""
+    import litgpt.generate.base
+    import transformers
+
+    seen, real = [], litgpt.generate.base.generate
+
+    def spy(model, prompt, *args, **kwargs):
+        seen.append(prompt.tolist())
+        return real(model, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(litgpt.generate.base, "generate", spy)
+    assert main(["generate", str(gguf_chat_model), "--prompt", "Hello world", "--sys_prompt", "Be brief.",
+                 "--max_new_tokens", "3", "--top_k", "1"]) == 0
+    reference = transformers.AutoTokenizer.from_pretrained(gguf_chat_model.parent, gguf_file=gguf_chat_model.name)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    assert seen == [reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]]
+    assert "Be brief." in capsys.readouterr().out

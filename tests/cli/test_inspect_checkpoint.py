@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import json
+import subprocess
+import sys
+import textwrap
 
+import pytest
 import torch
 import yaml
 
@@ -94,3 +99,106 @@ def test_a_gguf_file_with_its_config_from_the_file(tiny_gguf, capsys):
         assert got["tensors"] == len(ckpt.records)
     assert got["format"] == "GGUF" and got["bytes"] == stored < path.stat().st_size
     assert got["config"]["source"] == "the GGUF file's metadata" and got["config"]["matches"], got["config"]
+
+
+def test_a_gguf_file_s_tensor_types_as_stored(tiny_gguf, capsys):
+    path = tiny_gguf["Q4_0"]
+    assert main(["inspect", str(path), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    q4_0 = 18 / 32  # bytes per element: an fp16 scale and 32 4-bit codes per block
+    elements = 303 * 64 * 2 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3)  # embedding, head, 2 x 7 weights
+    assert got["dtypes"] == {"Q4_0": {"tensors": 16, "bytes": elements * q4_0}, "F32": {"tensors": 5, "bytes": 5 * 64 * 4}}
+    assert main(["inspect", str(path)]) == 0
+    assert "dtypes      Q4_0: 16 tensors" in capsys.readouterr().out
+
+
+HEADERS_ONLY = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch, litgpt, litgpt.config, transformers, transformers.modeling_gguf_pytorch_utils, gguf  # the imports
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.integrations import ggml
+    from lightning_lowmem import MemoryMonitor
+    from lightning_lowmem.cli import main
+    import lightning_lowmem.cli.estimate, lightning_lowmem.cli.inspect_checkpoint, lightning_lowmem.litgpt.gguf
+    start = time.perf_counter()
+    with MemoryMonitor() as mon:
+        code = main(sys.argv[1:])
+    print(json.dumps({"code": code, "seconds": time.perf_counter() - start, "delta": mon.usage.rss_peak_delta}))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["inspect", "estimate"])
+def test_inspect_and_estimate_of_a_smollm_sized_gguf_read_headers_only(smollm_gguf, child_env, command):
+    """An 82 MiB SmolLM2-135M-shaped file (a 49k-token vocabulary and its merges in the header), in a fresh process,
+    its imports done first. Measured (2 shared cores): +11..+16 MiB and 0.6-1.5 s after the imports (where
+    transformers' parser, a name map built per submodule and a float32 read of the embedding took +540 MiB and
+    15-35 s); bounds: +64 MiB, and 10 s for a machine shared with other work."""
+    proc = subprocess.run([sys.executable, "-c", HEADERS_ONLY, command, str(smollm_gguf), "--json"],
+                          capture_output=True, text=True, env=child_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    got = json.loads(lines[-1])
+    assert got["code"] == 0 and got["delta"] < 64 * 2**20 and got["seconds"] < 10.0, got
+    if command == "inspect":
+        summary = json.loads("\n".join(lines[:-1]))
+        assert summary["config"]["name"] == "SmolLM2-135M-Instruct" and summary["config"]["matches"]
+        assert set(summary["dtypes"]) == {"Q4_1", "F32"}
+
+
+@pytest.mark.parametrize("content", ["n_layer: [1, 2\nname: x:\n  - :", "- 1\n- 2\n", "", "n_layers_typo: 3\n",
+                                     "name: !!python/object/apply:os.system ['touch {marker}']\n", "n_layer: 2\x00\n"],
+                         ids=["syntax", "list", "empty", "unknown field", "python tag", "nul byte"])
+def test_a_broken_model_config_is_one_line_naming_the_file(run_cli, tmp_path, tiny_config, write_litgpt_dir, content):
+    """A model_config.yaml that litgpt's Config.from_file cannot read showed yaml's or Config's traceback."""
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    marker = tmp_path / "ran"
+    (directory / "model_config.yaml").write_text(content.format(marker=marker))
+    args = ["inspect", directory] if content else ["inspect", directory / "lit_model.pth", "--config",
+                                                  directory / "model_config.yaml"]  # the flag, once
+    proc = run_cli(*args)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(
+        f"error: CheckpointFormatError: {directory / 'model_config.yaml'} is not a litgpt config ("), proc.stderr
+    assert "It must be a YAML mapping of litgpt Config's fields" in proc.stderr
+    assert not marker.exists()
+
+
+class _View:
+    """A tensor viewed with a negative stride: in the pickle's arguments, or set after it is built (a BUILD)."""
+
+    def __init__(self, build: bool) -> None:
+        self.build = build
+
+    def __reduce__(self):
+        storage = torch.arange(8.0)._typed_storage()
+        if self.build:
+            return (torch._utils._rebuild_tensor_v2, (storage, 0, (4,), (1,), False, collections.OrderedDict()),
+                    {"stride": (-1,)})
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, (4,), (-1,), False, collections.OrderedDict()))
+
+
+@pytest.mark.parametrize("build", [False, True], ids=["arguments", "build state"])
+def test_a_negative_stride_pth_is_exit_1_with_one_line(run_cli, tmp_path, tiny_config, write_litgpt_dir, build):
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    state = torch.load(directory / "lit_model.pth")
+    torch.save({**state, "transformer.ln_f.bias": _View(build)}, directory / "lit_model.pth")
+    proc = run_cli("inspect", directory)
+    assert proc.returncode == 1 and proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "'transformer.ln_f.bias'" in proc.stderr
+    assert proc.stderr.startswith("error: UnsafeCheckpointError: " if build else "error: CheckpointFormatError: ")
+
+
+def test_a_config_with_far_more_layers_than_the_file_fails_before_building_a_model(run_cli, tmp_path, tiny_config,
+                                                                                  write_litgpt_dir):
+    """n_layer: 100000000 beside a 1-layer checkpoint built a model on meta from the config first: minutes and
+    past 1.9 GiB. The counts are checked against the file's tensors before."""
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_layer=1), tokenizer=False)
+    config = yaml.safe_load((directory / "model_config.yaml").read_text())
+    (directory / "model_config.yaml").write_text(yaml.safe_dump({**config, "n_layer": 100_000_000}))
+    proc = run_cli("inspect", directory, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert ("error: CheckpointMismatchError: The litgpt config says n_layer: 100000000, but the checkpoint's tensors "
+            "hold 1 block (transformer.h.0)") in proc.stderr

@@ -3,6 +3,8 @@ was: what cannot be filled fails before any read, and any later failure puts eve
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -240,6 +242,93 @@ def test_a_load_that_changes_a_tensor_never_keeps_the_file_mapped(tmp_path, litg
     report = load_checkpoint(model, path, mmap=True, progress=False, **options)
     assert not report.mapped and report.bytes_read > 0
     assert _mappings_of(path) == 0
+
+
+def _params(names: list[str], shape: tuple[int, ...], tie: tuple[str, str] | None = None) -> torch.nn.Module:
+    with init_empty():
+        module = torch.nn.Module()
+        for name in names:
+            module.register_parameter(name, torch.nn.Parameter(torch.empty(shape)))
+    if tie:
+        setattr(module, tie[1], getattr(module, tie[0]))
+    return module
+
+
+def test_a_mapped_torch_file_is_checked_against_its_crc(tmp_path):
+    """A flipped byte in a mapped .pth loaded silently: the CRC-32 was skipped. It is now computed over the mapped
+    pages at load (reading each once), and the module is left as it was."""
+    import zipfile
+
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "src.pth")
+    data = bytearray((tmp_path / "src.pth").read_bytes())
+    with zipfile.ZipFile(tmp_path / "src.pth") as z:
+        info = z.getinfo("src/data/0")
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 999] ^= 0x55
+    (tmp_path / "flipped.pth").write_bytes(bytes(data))
+    module = _params(["w"], (64, 64))
+    with pytest.raises(CheckpointFormatError, match=r"flipped\.pth: 'w': the bytes of record 'src/data/0' do not match "
+                                                    r"the CRC-32"):
+        load_checkpoint(module, tmp_path / "flipped.pth", mmap=True, progress=False)
+    assert module.w.is_meta
+
+
+def test_mapped_tensors_keep_the_copying_loads_ties_and_never_alias(tmp_path):
+    """Two keys on one storage (a tie saved twice, or overlapping views) mapped as views of the same pages: writing
+    one parameter wrote the other. As the copying default does, separate parameters are separate tensors, and a
+    tie in the module stays one parameter."""
+    base, other = torch.arange(8.0), torch.arange(10.0, 20.0)
+    torch.save({"a": base, "b": base, "c": other[:6], "d": other[4:], "e": torch.ones(3)}, tmp_path / "shared.pth")
+    mapped = _params(["a", "b"], (8,))
+    with init_empty():
+        mapped.c, mapped.d = torch.nn.Parameter(torch.empty(6)), torch.nn.Parameter(torch.empty(6))
+        mapped.e = torch.nn.Parameter(torch.empty(3))
+    report = load_checkpoint(mapped, tmp_path / "shared.pth", mmap=True, progress=False)
+    assert report.mapped
+    with torch.no_grad():
+        mapped.a.add_(100)
+        mapped.c.add_(100)
+    assert torch.equal(mapped.b, base) and torch.equal(mapped.d, other[4:]), (mapped.b, mapped.d)
+
+    tied = _params(["a"], (8,), tie=("a", "b"))
+    load_checkpoint(tied, tmp_path / "shared.pth", mmap=True, strict=False, progress=False)
+    assert tied.a is tied.b and torch.equal(tied.a, base)
+
+
+def test_a_file_cut_short_after_it_was_opened_is_a_typed_error_not_a_crash(tmp_path, write_checkpoint):
+    from lightning_lowmem import Checkpoint
+
+    path = write_checkpoint({"w": torch.randn(256, 256)}, "safetensors", tmp_path)
+    module = _params(["w"], (256, 256))
+    with Checkpoint.open(path) as ckpt:
+        os.truncate(path, path.stat().st_size - 4096)
+        with pytest.raises(CheckpointFormatError, match=r"model\.safetensors changed \(size \d+ -> \d+ bytes"):
+            load_checkpoint(module, ckpt, mmap=True, progress=False)
+    assert module.w.is_meta
+
+
+_CUT_UNDER_A_MAPPED_MODEL = """
+import os, sys, torch
+from lightning_lowmem import init_empty, load_checkpoint
+path = sys.argv[1]
+with init_empty():
+    layer = torch.nn.Linear(1024, 1024, bias=False)
+load_checkpoint(layer, path, mmap=True, progress=False)
+os.truncate(path, 4096)
+print(float(layer.weight[-1].sum()))  # touches a page past the end of the file
+"""
+
+
+def test_a_file_cut_short_under_a_mapped_model_kills_the_process(tmp_path, write_checkpoint, child_env):
+    """What docs/threat-model.md says of mmap=True: the mapped pages are the file's, and a file truncated under a
+    mapped model crashes the process (SIGBUS) when the model touches what was cut. Copying (the default) cannot."""
+    import signal
+    import subprocess
+    import sys
+
+    path = write_checkpoint({"weight": torch.randn(1024, 1024)}, "safetensors", tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _CUT_UNDER_A_MAPPED_MODEL, str(path)], capture_output=True, text=True,
+                          env=child_env, timeout=300)
+    assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-2000:])
 
 
 def test_load_prepared_streams_a_prepared_load_whole_or_puts_the_module_back(tmp_path, tiny_config, tiny_gpt,

@@ -69,3 +69,78 @@ def test_metadata_of_safetensors_headers_and_of_a_torch_files_entry(tmp_path):
             Checkpoint.open(tmp_path / "bad.pt") as c:
         assert (a.metadata, b.metadata, c.metadata) == ({"format": "pt", "k": "v"}, {"k": "v"}, {})
         assert list(b.records) == ["w"]
+
+
+def _write_shards(directory, n: int, pickle: bool = False):
+    """``n`` shards of one scalar tensor each, and the index naming them, as ``save_pretrained`` lays them out."""
+    import json
+
+    from safetensors.torch import save_file
+
+    ext = "bin" if pickle else "safetensors"
+    weight_map = {}
+    for i in range(n):
+        name = f"model-{i + 1:05d}-of-{n:05d}.{ext}"
+        state = {f"p{i}": torch.tensor(float(i))}
+        torch.save(state, directory / name) if pickle else save_file(state, directory / name)
+        weight_map[f"p{i}"] = name
+    index = directory / f"model.{ext}.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+_FEW_DESCRIPTORS = """
+import resource, sys, torch
+from lightning_lowmem import init_empty, load_checkpoint
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[3]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+n = int(sys.argv[2])
+with init_empty():
+    module = torch.nn.Module()
+    for i in range(n):
+        module.register_parameter(f"p{i}", torch.nn.Parameter(torch.empty(())))
+report = load_checkpoint(module, sys.argv[1], progress=False)
+assert all(module.get_parameter(f"p{i}").item() == i for i in range(n)) and report.tensors == n
+print("loaded", n)
+"""
+
+
+@pytest.mark.parametrize("pickle", [False, True], ids=["safetensors", "bin"])
+def test_more_shards_than_descriptors_load(tmp_path, child_env, pickle):
+    """Every shard was held open at once: 300 shards under a limit of 128 descriptors failed (as 10,000 shards
+    fail under the default 1024); a checkpoint now holds at most MAX_OPEN_FILES at a time."""
+    import subprocess
+    import sys
+
+    index = _write_shards(tmp_path, 300, pickle)
+    proc = subprocess.run([sys.executable, "-c", _FEW_DESCRIPTORS, str(index), "300", "128"], capture_output=True,
+                          text=True, env=child_env, timeout=300)
+    assert proc.returncode == 0 and "loaded 300" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["replaced", "rewritten", "deleted"])
+def test_a_released_shard_changed_before_it_is_read_again_is_caught(tmp_path, how):
+    from safetensors.torch import save_file
+
+    from lightning_lowmem.formats.checkpoint import MAX_OPEN_FILES
+
+    index = _write_shards(tmp_path, MAX_OPEN_FILES + 6)
+    first = tmp_path / f"model-00001-of-{MAX_OPEN_FILES + 6:05d}.safetensors"
+    with Checkpoint.open(index) as ckpt:
+        assert not any(f.is_open for f in ckpt.files)  # released after their headers
+        assert [ckpt.read(f"p{i}").item() for i in range(MAX_OPEN_FILES + 6)] == list(range(MAX_OPEN_FILES + 6))
+        assert sum(f.is_open for f in ckpt.files) == MAX_OPEN_FILES and not ckpt.files[0].is_open
+        if how == "replaced":
+            save_file({"p0": torch.tensor(7.0)}, tmp_path / "new.safetensors")
+            os.replace(tmp_path / "new.safetensors", first)
+        elif how == "rewritten":  # same inode, same size, other bytes and modification time
+            data = bytearray(first.read_bytes())
+            data[-4:] = torch.tensor(7.0).numpy().tobytes()
+            with open(first, "r+b") as f:
+                f.write(data)
+            os.utime(first, ns=(0, os.stat(first).st_mtime_ns + 10**9))
+        else:
+            first.unlink()
+        with pytest.raises(CheckpointFormatError, match=r"model-00001-of-.*\.safetensors (was|changed)"):
+            ckpt.read("p0")
+        with pytest.raises(CheckpointFormatError):
+            ckpt.check_unchanged()

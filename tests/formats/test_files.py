@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from lightning_lowmem import Checkpoint, CheckpointFormatError, init_empty, load_checkpoint
+from lightning_lowmem.formats.files import CHECK_SECONDS
 
 
 def _open_descriptors() -> int:
@@ -65,6 +67,7 @@ def test_a_file_changed_during_the_load_is_caught_and_the_module_untouched(tmp_p
             else:  # a new file moved over the name, as a download tool does
                 save_file({k: v.contiguous() for k, v in other.items()}, tmp_path / "new.safetensors")
                 os.replace(tmp_path / "new.safetensors", path)
+            time.sleep(CHECK_SECONDS)  # small reads check the file at least this often (and once at the end)
         seen.append(name)
         return tensor
 
@@ -82,3 +85,35 @@ def test_a_directory_passed_as_a_shard_is_refused(tmp_path):
         with init_empty():
             layer = torch.nn.Linear(2, 2)
         load_checkpoint(layer, tmp_path / "model.safetensors")
+
+
+def test_a_file_renamed_over_the_path_right_after_the_open_is_read_through_one_descriptor(tmp_path, monkeypatch):
+    """The header was read through a second open of the path (``safe_open``): a file renamed over it in between
+    paired one file's header with the other's offsets (a raw KeyError at the read)."""
+    import lightning_lowmem.formats.checkpoint as checkpoint_module
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(3)}, path)
+    save_file({"b": torch.zeros(5), "c": torch.ones(1)}, tmp_path / "other.safetensors")
+    real_open = checkpoint_module.open_regular
+
+    def open_then_rename(name):
+        fd = real_open(name)
+        if (tmp_path / "other.safetensors").exists():
+            os.replace(tmp_path / "other.safetensors", path)  # another file now has the name; fd is the first
+        return fd
+
+    monkeypatch.setattr(checkpoint_module, "open_regular", open_then_rename)
+    with Checkpoint.open(path) as ckpt:
+        assert list(ckpt.records) == ["a"]  # the header of the file that was opened, and its data
+        assert torch.equal(ckpt.read("a"), torch.ones(3))
+        with pytest.raises(CheckpointFormatError, match=r"model\.safetensors was replaced by another file"):
+            ckpt.check_unchanged()
+    save_file({"a": torch.ones(3)}, path)
+    save_file({"b": torch.zeros(5), "c": torch.ones(1)}, tmp_path / "other.safetensors")
+    with init_empty():
+        module = torch.nn.Module()
+        module.a = torch.nn.Parameter(torch.empty(3))
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors was replaced by another file"):
+        load_checkpoint(module, path)  # a load checks every file once more after its last read
+    assert module.a.is_meta

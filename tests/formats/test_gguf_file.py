@@ -196,17 +196,12 @@ def test_a_file_cut_during_the_load_leaves_the_module_as_it_was(tmp_path, tiny_g
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_a_type_gguf_cannot_dequantize_is_refused_by_name(tmp_path):
+def test_a_type_gguf_cannot_dequantize_is_refused_by_name(tmp_path, write_gguf_tensors):
     import gguf
 
-    path = tmp_path / "q8_1.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
     q8_1 = gguf.GGMLQuantizationType.Q8_1  # known to gguf, which has no dequantizer for it
-    writer.add_tensor("blk.0.attn_k.weight", np.zeros((2, 40), np.uint8), raw_dtype=q8_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf_tensors(tmp_path / "q8_1.gguf", "llama",
+                              {"blk.0.attn_k.weight": (np.zeros((2, 40), np.uint8), q8_1)})
     with pytest.raises(CheckpointFormatError, match=r"q8_1\.gguf: tensor 'blk\.0\.attn_k\.weight'.*Q8_1.*cannot dequantize"):
         Checkpoint.open(path)
 
@@ -228,17 +223,9 @@ def test_counts_the_file_cannot_hold_are_refused_at_once(tmp_path, count):
     assert time.perf_counter() - start < 1.0
 
 
-def test_a_split_file_says_how_to_merge_it(tmp_path):
-    import gguf
-
-    path = tmp_path / "model-00001-of-00002.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_uint16("split.count", 2)
-    writer.add_tensor("w", np.zeros((2, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def test_a_split_file_says_how_to_merge_it(tmp_path, write_gguf_tensors):
+    path = write_gguf_tensors(tmp_path / "model-00001-of-00002.gguf", "llama", {"w": np.zeros((2, 32), np.float32)},
+                              fields={"split.count": 2})
     with pytest.raises(CheckpointFormatError, match=r"one of 2 parts.*llama-gguf-split --merge"):
         Checkpoint.open(path)
 

@@ -508,3 +508,51 @@ def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_
     with torch.no_grad():  # the file fabric.load opened stays open for the layers on disk
         torch.testing.assert_close(model.eval()(x), reference(x), rtol=0, atol=0)
     fabric.strategy.reports[-1].disk.close()
+
+
+_NESTED_LOAD = """
+import json, os, sys, threading, time
+import lightning as L, psutil, torch
+from lightning_lowmem import MemoryMonitor
+path, depth, bound = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fabric = L.Fabric(accelerator="cpu", devices=1, strategy="lowmem")
+with fabric.init_module():
+    layer = torch.nn.Linear(4, 4)
+process = psutil.Process()
+start = process.memory_info().rss
+def watch():  # a load that would exhaust memory ends here instead
+    while process.memory_info().rss - start < 4 * bound:
+        time.sleep(0.005)
+    os._exit(3)
+threading.Thread(target=watch, daemon=True).start()
+with MemoryMonitor() as monitor:
+    rest = fabric.load(path, {"model": layer})
+x, shared = rest["extra"], True
+for _ in range(depth):
+    shared &= x[0] is x[1]
+    x = x[0]
+print(json.dumps({"peak": monitor.usage.rss_peak_delta, "shared": shared, "leaf": repr(x[0])[:40]}))
+"""
+
+
+@pytest.mark.parametrize("leaf, depth", [("tensor", 14), ("int", 40)])
+def test_fabric_load_of_an_entry_nested_on_itself_is_bounded_by_the_file(tmp_path, child_env, leaf, depth):
+    """``x = [x, x]`` nested 14 times on a 16 Ki-element tensor (a 67 KiB file) took +1 GiB, rebuilt path by path
+    (16,384 tensors); 40 levels of ints (2.5 KB) exhausted memory. Rebuilt as pickle built it (each object once),
+    both take a few MiB; the bound leaves 64 MiB."""
+    import json
+    import subprocess
+
+    bound = 64 * 2**20
+    x = [torch.ones(16384) if leaf == "tensor" else 7]
+    for _ in range(depth):
+        x = [x, x]
+    path = tmp_path / "nested.ckpt"
+    torch.save({"model": nn.Linear(4, 4).state_dict(), "extra": x}, path)
+    assert path.stat().st_size < 70_000
+    proc = subprocess.run([sys.executable, "-c", _NESTED_LOAD, str(path), str(depth), str(bound)],
+                          capture_output=True, text=True, env=child_env, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode} (3: past 4x the bound): {proc.stderr[-2000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["peak"] < bound and result["shared"]
+    assert result["leaf"].startswith("tensor([1., 1." if leaf == "tensor" else "7")

@@ -99,3 +99,19 @@ def test_the_estimate_reads_the_file_as_generate_loads_it(tiny_gguf):
     assert est.weights == result.load_report.bytes_loaded
     assert est.quantized_weights == result.load_report.quantized_bytes_after
     assert est.kv_cache == result.memory.kv_cache
+
+
+def test_a_known_model_gets_litgpt_s_config_from_its_fields_and_names(smollm_gguf):
+    """SmolLM2-135M-Instruct's GGUF names itself "Smollm2 135M 8k Lc100K Mix1 Ep2" (its training run): no litgpt
+    name, but litgpt's SmolLM2-135M configs have its fields, and the words of its names pick one."""
+    from lightning_lowmem.plan import gguf_config
+
+    hf = gguf_config(smollm_gguf)
+    run = ["Smollm2 135M 8k Lc100K Mix1 Ep2", "smollm2-135M-8k-lc100k-mix1-ep2"]
+    assert litgpt_config(hf, run).name == "SmolLM2-135M"
+    assert litgpt_config(hf, ["SmolLM2 135M Instruct"]).name == "SmolLM2-135M-Instruct"
+    assert litgpt_config(hf, ["a fine-tune"]).name == "Llama-gguf-30x576"  # two litgpt configs fit, no name says which
+    hf.rope_parameters = {**hf.rope_parameters, "rope_theta": 10000.0}
+    assert litgpt_config(hf, ["SmolLM2 135M Instruct"]).name == "Llama-gguf-30x576"  # another RoPE: not SmolLM2's
+    found = LitgptCheckpoint.find(smollm_gguf)  # the file's own name: "SmolLM2 135M Instruct"
+    assert found.config.name == "SmolLM2-135M-Instruct" and found.gguf.chat_template
