@@ -242,6 +242,31 @@ def test_a_gguf_file_streams_its_layers_dequantized_as_read(tiny_gguf):
     assert got.tokens[0].tolist() == expected.tokens[0].tolist()
 
 
+def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(tiny_gguf, forward_logits):
+    """A GGUF Llama into transformers' LlamaForCausalLM: q_proj and k_proj are built a block of rows at a time,
+    each block un-permuted by the conversion's transform as read. Read again for each forward, they must not be
+    un-permuted a second time (the logits of the layers on disk would differ)."""
+    import transformers
+
+    from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
+
+    path = tiny_gguf["Q8_0"]
+    models = []
+    for budget in (None, {"cpu": 250_000}):
+        with init_empty():
+            model = transformers.LlamaForCausalLM(gguf_config(path))
+        conversion = gguf_to_transformers(path, model)
+        disk = {"max_memory": budget, "disk_offload": True} if budget else {}
+        report = load_checkpoint(model, path, key_map=conversion.key_map, transform=conversion.transform,
+                                 dtype=torch.float32, progress=False, **disk)
+        models.append((model.eval(), report))
+    (expected, _), (streamed, report) = models
+    on_disk = {m for layer in report.placement.on_disk for m in layer.modules}
+    assert any(m.startswith("model.layers.") for m in on_disk)
+    assert torch.equal(forward_logits(streamed), forward_logits(expected))
+    report.disk.close()
+
+
 @pytest.mark.cuda
 def test_cuda_layers_on_disk_are_copied_to_the_device_and_match_the_model_in_memory(streamed):
     if not torch.cuda.is_available():
