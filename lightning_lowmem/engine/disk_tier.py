@@ -295,7 +295,7 @@ class DiskTier:
         copied in."""
         views = [view(buffer, slot) for slot in slots]
         free = iter(views)
-        direct = self._transform is None or target.stored is not None
+        direct = self._transform is None or target.stored is not None or route.transformed  # built in place
 
         def destination(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
             out = next(free, None)

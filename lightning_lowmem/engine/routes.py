@@ -164,7 +164,9 @@ class BuiltRows(Route):
     kind: ClassVar[str] = "built rows"
 
     def read(self, reader: Reader) -> Payload:
-        return read_built(reader.ckpt, self.target, reader.transform, reader.rows)
+        target = self.target
+        out = reader.final_out(target.record.shape, target.dtype) if target.device.type == "cpu" else None
+        return read_built(reader.ckpt, target, reader.transform, reader.rows, out)
 
     @property
     def transient(self) -> int:

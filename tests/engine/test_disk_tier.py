@@ -242,12 +242,16 @@ def test_a_gguf_file_streams_its_layers_dequantized_as_read(tiny_gguf):
     assert got.tokens[0].tolist() == expected.tokens[0].tolist()
 
 
-def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(tiny_gguf, forward_logits):
+def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(tiny_gguf, forward_logits,
+                                                                              monkeypatch):
     """A GGUF Llama into transformers' LlamaForCausalLM: q_proj and k_proj are built a block of rows at a time,
     each block un-permuted by the conversion's transform as read. Read again for each forward, they must not be
-    un-permuted a second time (the logits of the layers on disk would differ)."""
+    un-permuted a second time (the logits of the layers on disk would differ), and they are built in place, in
+    the read buffer."""
     import transformers
 
+    from lightning_lowmem.engine import routes
+    from lightning_lowmem.engine.row_reads import read_built
     from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
 
     path = tiny_gguf["Q8_0"]
@@ -261,9 +265,19 @@ def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(t
                                  dtype=torch.float32, progress=False, **disk)
         models.append((model.eval(), report))
     (expected, _), (streamed, report) = models
-    on_disk = {m for layer in report.placement.on_disk for m in layer.modules}
-    assert any(m.startswith("model.layers.") for m in on_disk)
+    on_disk = sorted(m for layer in report.placement.on_disk for m in layer.modules if m.startswith("model.layers."))
+    assert on_disk
+    buffers = {report.disk._buffers.buffer(i).untyped_storage().data_ptr() for i in (0, 1)}
+    built = []
+
+    def spy(*args, **kwargs):
+        out = read_built(*args, **kwargs)
+        built.append(out.untyped_storage().data_ptr())
+        return out
+
+    monkeypatch.setattr(routes, "read_built", spy)
     assert torch.equal(forward_logits(streamed), forward_logits(expected))
+    assert built and set(built) <= buffers  # built in place in a read buffer, not in memory of its own
     report.disk.close()
 
 
