@@ -19,7 +19,8 @@ The checkpoint (opened once, by the load) is checked unchanged after every read:
 short under a running model is a :class:`CheckpointChangedError` at that forward and every later one, never a
 forward on other weights; reads stay within the offsets of the plan (``formats/files.py``). The tier owns the
 open checkpoint when the load opened it (``load_checkpoint(path, ...)``): :meth:`DiskTier.close` (or dropping the
-model, once a read in flight has ended) closes it; a :class:`~lightning_lowmem.Checkpoint` passed in open stays its caller's, who keeps it open.
+model, once a read in flight has ended) closes it; a :class:`~lightning_lowmem.Checkpoint` passed in open stays
+its caller's, who keeps it open.
 """
 
 from __future__ import annotations
