@@ -170,6 +170,29 @@ def _write_shards(state: dict[str, torch.Tensor], index: Path, shards: int) -> N
                                  "weight_map": weight_map}))
 
 
+def write_hf_twin(model_name: str, lit_path: Path, hf_dir: Path) -> None:
+    """The weights of a litgpt safetensors file (``write_checkpoints``) in the HF GPTNeoX layout, converted by
+    litgpt's ``copy_weights_gpt_neox`` and written by ``GPTNeoXForCausalLM.save_pretrained`` (with its
+    ``config.json``): the same model for transformers and accelerate."""
+    from litgpt import Config
+    from litgpt.scripts.convert_lit_checkpoint import copy_weights_gpt_neox
+    from safetensors.torch import load_file
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    c = Config.from_name(model_name)
+    hf_config = GPTNeoXConfig(
+        vocab_size=c.padded_vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, intermediate_size=c.intermediate_size, rotary_pct=c.rotary_percentage,
+        rotary_emb_base=c.rope_base, max_position_embeddings=c.block_size, layer_norm_eps=c.norm_eps,
+        use_parallel_residual=c.parallel_residual, tie_word_embeddings=False, dtype="bfloat16")
+    hf_state: dict[str, torch.Tensor] = {}
+    copy_weights_gpt_neox(c, hf_state, load_file(lit_path))
+    with torch.device("meta"):
+        model = GPTNeoXForCausalLM(hf_config)
+    model.load_state_dict(hf_state, assign=True, strict=False)
+    model.save_pretrained(hf_dir)
+
+
 # ---------------------------------------------------------------- statistics and the header
 
 def median(values: Sequence[float]) -> float:

@@ -54,6 +54,7 @@ from common import (
     run_fresh,
     spread,
     write_checkpoints,
+    write_hf_twin,
 )
 
 MODEL = "pythia-1b"
@@ -227,26 +228,7 @@ def prepare(workdir: Path) -> None:
     lit_path = write_checkpoints(MODEL, workdir, ["bf16.safetensors"])["bf16.safetensors"]
     hf_dir = workdir / MODEL / "hf"
     if not (hf_dir / "model.safetensors").exists():
-        _write_hf(lit_path, hf_dir)
-
-
-def _write_hf(lit_path: Path, hf_dir: Path) -> None:
-    from litgpt.scripts.convert_lit_checkpoint import copy_weights_gpt_neox
-    from safetensors.torch import load_file
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    c = _lit_config()
-    hf_config = GPTNeoXConfig(
-        vocab_size=c.padded_vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, intermediate_size=c.intermediate_size, rotary_pct=c.rotary_percentage,
-        rotary_emb_base=c.rope_base, max_position_embeddings=c.block_size, layer_norm_eps=c.norm_eps,
-        use_parallel_residual=c.parallel_residual, tie_word_embeddings=False, dtype="bfloat16")
-    hf_state: dict[str, torch.Tensor] = {}
-    copy_weights_gpt_neox(c, hf_state, load_file(lit_path))
-    with torch.device("meta"):
-        model = GPTNeoXForCausalLM(hf_config)
-    model.load_state_dict(hf_state, assign=True, strict=False)
-    model.save_pretrained(hf_dir)
+        write_hf_twin(MODEL, lit_path, hf_dir)
 
 
 # ---------------------------------------------------------------- the table (parent side)

@@ -33,6 +33,7 @@ from lightning_lowmem.engine import (
 )
 from lightning_lowmem.errors import (
     AmbiguousCheckpointError,
+    CheckpointChangedError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -100,6 +101,7 @@ __all__ = [
     "BF16FallbackWarning",
     "CacheBytes",
     "Checkpoint",
+    "CheckpointChangedError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

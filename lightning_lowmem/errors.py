@@ -22,6 +22,11 @@ class CheckpointFormatError(CheckpointError):
     """The file is not a checkpoint we can read, or it is truncated or incomplete."""
 
 
+class CheckpointChangedError(CheckpointFormatError):
+    """A checkpoint file that a running model reads its layers from (``disk_offload``) changed, was cut short or
+    could not be read: the forward stops there, and every later one too, rather than run on other weights."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path, or a file it refers to, does not exist."""
 

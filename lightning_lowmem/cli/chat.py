@@ -22,6 +22,7 @@ from lightning_lowmem.cli.options import (
     add_load,
     add_sampling,
     add_subcommand,
+    check_budgets,
     config_argument,
     default_device,
 )
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_lowmem.litgpt.patch import patch_litgpt
 
+    check_budgets(args, args.parser)
     model, tokenizer, found, report = _load(Path(args.checkpoint), args)
     config = found.config
     print(report, file=sys.stderr)
@@ -76,11 +78,14 @@ def run(args: argparse.Namespace) -> int:
                         else "To exit, press 'Enter' on an empty prompt.")
     print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
     _seed()
+    device = report.placement.execution_device if report.placement is not None else next(model.parameters()).device
     with patch_litgpt(), torch.inference_mode():
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
-                 fabric=Console(next(model.parameters()).device), temperature=args.temperature,
+                 fabric=Console(torch.device(device)), temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                  stop_tokens=prompt_style.stop_tokens(tokenizer))
+    if report.disk is not None:
+        report.disk.close()
     return EXIT_OK
 
 
@@ -97,7 +102,8 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
                                       "tokenizer.model there (or a GGUF file with a vocabulary). Copy the model's "
                                       "tokenizer files into the directory.")
     model, tokenizer, report = load_for_generation(found, quantize=args.quantize, precision=args.precision,
-                                                   device=default_device(args.device))
+                                                   device=None if args.max_memory else default_device(args.device),
+                                                   max_memory=args.max_memory, disk_offload=args.disk_offload or None)
     return model, tokenizer, found, report
 
 

@@ -6,13 +6,23 @@ import argparse
 import json
 
 from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
-from lightning_lowmem.cli.options import add_config, add_subcommand, add_weights, max_memory, positive_int
+from lightning_lowmem.cli.options import (
+    add_config,
+    add_subcommand,
+    add_weights,
+    bandwidth,
+    check_budgets,
+    max_memory,
+    positive_int,
+)
 from lightning_lowmem.dtypes import precision_dtype
 from lightning_lowmem.quantize import SCHEMES
 
 EPILOG = """example:
   lightning-lowmem estimate checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --max_seq_length 114
   lightning-lowmem estimate pythia-1b --max_memory cuda:0=600MiB,cpu=8GiB --max_seq_length 2048 --json
+  lightning-lowmem estimate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload \
+      --max_seq_length 128
 
 """ + EXIT_CODES
 
@@ -36,6 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch_size", type=positive_int, default=None, help="sequences at once (default 1)")
     parser.add_argument("--max_memory", type=max_memory, default=None, metavar="DEVICE=SIZE,...",
                         help="device budgets, e.g. cuda:0=6GiB,cpu=20GiB: adds the placement of each layer")
+    parser.add_argument("--disk_offload", action="store_true",
+                        help="with --max_memory: the layers that fit no budget stay in the checkpoint file; shows "
+                             "which, the bytes each token reads and the seconds that takes")
+    parser.add_argument("--read_bandwidth", type=bandwidth, default=None, metavar="SPEED",
+                        help="the speed the checkpoint is read at with --disk_offload, e.g. 2GB/s; default: "
+                             "measured on the file (O_DIRECT: the disk, not the page cache)")
     add_config(parser)
     add_weights(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON object of every number, in bytes")
@@ -48,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.engine import LoadOptions
     from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
+    check_budgets(args, args.parser)
     est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=precision_dtype(args.precision),
                           batch_size=args.batch_size, max_seq_length=args.max_seq_length,
                           prompt_length=args.prompt_length, max_memory=args.max_memory,
+                          disk_offload=args.disk_offload or None, read_bandwidth=args.read_bandwidth,
                           config=config_argument(args.config), options=LoadOptions(prefer=args.weights))
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return EXIT_OK

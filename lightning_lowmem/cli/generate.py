@@ -21,6 +21,7 @@ from lightning_lowmem.cli.options import (
     add_load,
     add_sampling,
     add_subcommand,
+    check_budgets,
     config_argument,
     default_device,
     positive_int,
@@ -32,6 +33,7 @@ EPILOG = """example:
   lightning-lowmem generate checkpoints/EleutherAI/pythia-1b --prompt "What do llamas eat?" \\
       --max_new_tokens 50 --quantize bnb.nf4
   lightning-lowmem generate my-model --prompt "1 2 3"     # a directory without a tokenizer takes token ids
+  lightning-lowmem generate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload
 
 """ + EXIT_CODES
 
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import generate
 
+    check_budgets(args, args.parser)
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights)
     prompt = args.prompt
     if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         prompt = prompt_style_for(found.directory, found.config, found.gguf).apply(prompt, sys_prompt=args.sys_prompt)
     result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
-                      num_samples=args.num_samples, device=default_device(args.device), seed=SEED)
+                      num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),
+                      max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED)
     if result.load_report is not None:
         print(result.load_report, file=sys.stderr)
     for i, tokens in enumerate(result.tokens):

@@ -61,6 +61,46 @@ def add_load(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
         parser.add_argument("--device", default=None,
                             help="where the model runs: cpu, cuda, cuda:1; default: cuda when there is one, "
                                  "else cpu (as litgpt)")
+        add_budgets(parser)
+
+
+def add_budgets(parser: argparse.ArgumentParser) -> None:
+    """``--max_memory`` and ``--disk_offload``."""
+    parser.add_argument("--max_memory", type=max_memory, default=None, metavar="DEVICE=SIZE,...",
+                        help="device budgets instead of --device, e.g. cpu=2GiB or cuda:0=6GiB,cpu=20GiB: layers "
+                             "that do not fit the first are kept on the cpu and streamed in for their forward")
+    parser.add_argument("--disk_offload", action="store_true",
+                        help="with --max_memory: leave the layers that fit no budget in the checkpoint file and "
+                             "read each for its forward (the next one read meanwhile), at the disk's speed")
+
+
+def check_budgets(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Exit 2 when ``--disk_offload`` comes without ``--max_memory``, or ``--device`` with it."""
+    if getattr(args, "disk_offload", False) and args.max_memory is None:
+        parser.error("--disk_offload needs --max_memory (e.g. --max_memory cpu=2GiB): the budgets decide which "
+                     "layers stay in memory")
+    if getattr(args, "device", None) is not None and getattr(args, "max_memory", None) is not None:
+        parser.error("give --device or --max_memory, not both: with --max_memory the budgets decide where layers run")
+
+
+def bandwidth(text: str) -> float:
+    """A read speed in bytes per second: ``2GB/s``, ``500MiB/s`` or a number of bytes.
+
+    Example::
+
+        >>> bandwidth("500MiB/s") == 500 * 2**20, bandwidth("2e9")
+        (True, 2000000000.0)
+    """
+    from lightning_lowmem.memory.units import parse_bytes
+
+    value = text.strip().removesuffix("/s")
+    try:
+        speed = float(value) if value.replace(".", "", 1).replace("e", "", 1).isdigit() else parse_bytes(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a read speed such as 2GB/s or 500MiB/s, got {text!r}") from None
+    if speed <= 0:
+        raise argparse.ArgumentTypeError(f"expected a read speed above 0, got {text!r}")
+    return float(speed)
 
 
 def add_sampling(parser: argparse.ArgumentParser) -> None:

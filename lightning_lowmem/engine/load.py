@@ -16,6 +16,7 @@ rank: the plan is the same on every rank, the ranks agree that it holds before a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
+from lightning_lowmem.engine.disk_tier import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
@@ -63,6 +65,7 @@ def load_checkpoint(
     key_map: KeyMap | None = None,
     progress: bool | None = None,
     max_memory: MaxMemory | None = None,
+    disk_offload: bool | None = None,
     context: int | None = None,
     transform: Transform | None = None,
     combine: Combine | None = None,
@@ -81,7 +84,7 @@ def load_checkpoint(
             module is litgpt's ``GPT`` or a transformers model (the report's ``conversion`` says how).
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
-        device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, context,
+        device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, disk_offload, context,
             transform, combine, mmap, prefer: the fields of :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
@@ -109,7 +112,8 @@ def load_checkpoint(
     """
     options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
                                 strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
-                                context=context, transform=transform, combine=combine, mmap=mmap, prefer=prefer)
+                                disk_offload=disk_offload, context=context, transform=transform, combine=combine,
+                                mmap=mmap, prefer=prefer)
     return run_load(module, checkpoint, options)
 
 
@@ -140,6 +144,8 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
             return prepared, source.checkpoint
 
         report = _load_whole_or_not_at_all(module, open_and_prepare)
+        if report.disk is not None:
+            report.disk.own(stack.pop_all())  # the checkpoint stays open while the model reads layers from it
     return _finish_report(report, monitor)
 
 
@@ -151,7 +157,8 @@ def load_prepared(prepared: PreparedLoad, monitor: MemoryMonitor | None = None) 
     :class:`MetaTensorError`; after that, any error puts the module back as it was.
 
     Args:
-        prepared: the decided load (its source's checkpoint still open).
+        prepared: the decided load (its source's checkpoint still open; with layers left on disk, keep it open
+            while the model runs: ``report.disk`` reads from it and does not close it).
         monitor: a running monitor whose block covers this load; without one, the load gets its own.
     """
     if monitor is None:
@@ -216,26 +223,45 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
 
 def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, quantizer: Quantizer | None,
           report: LoadReport) -> None:
-    """Stream the plan into the module, rebuild and place its buffers, check it, and fill ``report``."""
+    """Stream the plan into the module (the layers left on disk: placeholders and the disk tier), rebuild and place its
+    buffers, check it, and fill ``report``."""
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
+    on_disk = {id(t) for t in on_disk_targets(prepared)}
+    resident = dataclasses.replace(plan, targets=[t for t in plan.targets if id(t) not in on_disk]) if on_disk else plan
     released = architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
     if report.read_whole:
         log.info("This rank reads %d sharded tensors whole and keeps its part: %s", len(report.read_whole),
                  format_names((f"{n} ({why})" for n, why in report.read_whole.items()), quote=False, sep="; "))
     report.tensors, report.bytes_read, report.mapped = stream(
-        module, ckpt, plan, quantizer, transform=prepared.transform, combine=prepared.combine,
+        module, ckpt, resident, quantizer, transform=prepared.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
     report.recomputed = architecture.after_load(module, device)
     _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype,
                     keep_dtype=set(released))
-    report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype
+    report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
+    report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
+    try:
+        _finish(prepared, quantizer, report)
+    except BaseException:
+        if report.disk is not None:
+            report.disk.close()
+        raise
+
+
+def _finish(prepared: PreparedLoad, quantizer: Quantizer | None, report: LoadReport) -> None:
+    """Check nothing is left on meta, dispatch the offloaded layers, and fill the report's numbers."""
+    module = prepared.module
     report.shard_bytes = shard_nbytes(module)
-    check_no_meta(module, f"After loading {plan.files}")
+    check_no_meta(module, f"After loading {prepared.plan.files}")
     if prepared.placement is not None:
         report.offload = dispatch(module, prepared.placement)
     if quantizer is not None:
+        if report.disk is not None:  # weights stored quantized in modules on disk: loaded as stored at each forward
+            stored = report.disk.stored_modules()
+            quantizer.quantized.update(stored)
+            quantizer.prequantized.update(stored)
         report.quantized, report.left_out = quantizer.quantized, quantizer.left_out
         report.prequantized, report.requantized = quantizer.prequantized, quantizer.requantized
         report.quantized_bytes_before, report.quantized_bytes_after = quantizer.bytes_before, quantizer.bytes_after

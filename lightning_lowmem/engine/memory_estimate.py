@@ -23,8 +23,12 @@
                    in float32) plus 6 MiB measured for the load itself
     tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
                    vocabulary), resident from before the load to the end; 0 otherwise
-    peak           weights + library + tokenizer + max(load transient, caches + activations
-                   + first forward + runtime)
+    disk           with layers left in the checkpoint file (``disk_offload``): their weights are not in memory;
+                   two read buffers of the largest of them are, with the largest tensor a forward reads and
+                   casts (its route's transient); each token reads them all (``disk_read``), which at
+                   ``read_bandwidth`` takes ``seconds_per_token``
+    peak           weights + library + tokenizer + max(load transient + one read buffer, caches + activations
+                   + first forward + runtime + read buffers)
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class MemoryEstimate:
     library: int = 0
     load_transient: int = 0
     tokenizer: int = 0
+    disk_weights: int = 0
+    disk_read: int = 0
+    disk_buffers: int = 0
+    read_bandwidth: float | None = None
     notes: list[str] = field(default_factory=list)
     placement: PlacementPlan | None = None
     source: str = ""
@@ -80,12 +88,22 @@ class MemoryEstimate:
 
     @property
     def load_peak(self) -> int:
-        return self.weights + self.library + self.tokenizer + self.load_transient
+        return (self.weights + self.library + self.tokenizer + self.load_transient
+                + self.disk_buffers // 2)  # the first read ahead
 
     @property
     def generate_peak(self) -> int:
         return (self.weights + self.library + self.tokenizer + self.caches + self.activations + self.dequantized
-                + self.runtime)
+                + self.runtime + self.disk_buffers)
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """Seconds each token spends reading the layers on disk at ``read_bandwidth`` (0 without any; None when the
+        bandwidth is not known). The next layer is read while this one computes: where reading is the slower,
+        this is the time per token."""
+        if not self.disk_read:
+            return 0.0
+        return self.disk_read / self.read_bandwidth if self.read_bandwidth else None
 
     @property
     def peak(self) -> int:
@@ -103,7 +121,8 @@ class MemoryEstimate:
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "placement"}
         out |= {"dtype": str(self.dtype).removeprefix("torch."), "notes": list(self.notes), "caches": self.caches,
-                "load_peak": self.load_peak, "generate_peak": self.generate_peak, "peak": self.peak}
+                "load_peak": self.load_peak, "generate_peak": self.generate_peak, "peak": self.peak,
+                "seconds_per_token": self.seconds_per_token}
         out["placement"] = self.placement.to_dict() if self.placement is not None else None
         return out
 
@@ -119,14 +138,27 @@ class MemoryEstimate:
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
                 *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
+                *self._disk_rows(),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
+
+    def _disk_rows(self) -> list[tuple[str, int]]:
+        if not self.disk_weights:
+            return []
+        return [("left in the checkpoint file (not in memory)", self.disk_weights),
+                ("  read from it for each token", self.disk_read),
+                ("  read buffers (2 x the largest layer on disk, + a cast)", self.disk_buffers)]
 
     def __str__(self) -> str:
         head = f"Memory estimate: {self.model}, {self.quantize or 'not quantized'}, {str(self.dtype).split('.')[-1]}"
         rows = self.rows()
         width = max(len(label) for label, _ in rows)
         lines = [head] + [f"  {label:<{width}}  {format_bytes(n):>12}" for label, n in rows]
+        if self.disk_read:
+            seconds = self.seconds_per_token
+            lines.append("  reading the layers on disk: " + (
+                f"~{seconds:.3g} s/token at {format_bytes(self.read_bandwidth)}/s" if seconds is not None
+                else "pass read_bandwidth= for s/token"))
         placement = [str(self.placement)] if self.placement is not None else []
         return "\n".join(lines + [f"  note: {note}" for note in self.notes] + placement)
 
@@ -145,8 +177,12 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
                          runtime=runtime, placement=prepared.placement, source=prepared.source.why)
     traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform,
                        requantized=frozenset(requantized))
+    placement = prepared.placement
     for target in prepared.plan.targets:
-        _add_target(est, route_of(target, traits))
+        _add_target(est, route_of(target, traits), placement is not None and placement.is_on_disk(target.names[0]))
+    if est.disk_weights:
+        est.disk_read, est.disk_buffers = placement.disk_read_bytes, est.disk_buffers + placement.disk_buffer_bytes
+        est.read_bandwidth = placement.read_bandwidth
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0
     read_whole = whole_reads(prepared.plan, traits)
@@ -163,13 +199,18 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     return est
 
 
-def _add_target(est: MemoryEstimate, route: Route) -> None:
-    """Count a target's bytes, and the transient of streaming it in along ``route``."""
+def _add_target(est: MemoryEstimate, route: Route, on_disk: bool = False) -> None:
+    """Count a target's bytes, and the transient of streaming it in along ``route`` (for a target left on disk: of
+    reading it for a forward, beside the read buffers)."""
     target = route.target
     numel = target.record.numel
     est.params += numel
-    est.weights += target.final_nbytes
-    est.load_transient = max(est.load_transient, route.transient)
+    if on_disk:
+        est.disk_weights += target.final_nbytes
+        est.disk_buffers = max(est.disk_buffers, route.transient)
+    else:
+        est.weights += target.final_nbytes
+        est.load_transient = max(est.load_transient, route.transient)
     if target.scheme is not None:
         est.quantized_params += numel
         est.quantized_weights += target.final_nbytes

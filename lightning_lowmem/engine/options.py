@@ -46,6 +46,11 @@ class LoadOptions:
         max_memory: device budgets, e.g. ``{"cuda:0": "6GiB", "cpu": "20GiB"}``, instead of ``device``:
             a placement plan decides each layer's device before any weight is read; layers on the CPU
             are streamed to the accelerator for their forward. Stored parsed (:class:`Budgets`).
+        disk_offload: with ``max_memory``, leave the layers that fit no budget in the checkpoint file (its own
+            safetensors, torch, GGUF or pre-quantized file: no copy is written) and read each of them for its own
+            forward, the next one read while this one computes, into two reused host buffers the size of the
+            largest of them (beside the budgets). Inference only; the file stays open, and watched, while the model
+            lives (``LoadReport.disk``). Without it, a model the budgets cannot hold raises ``MemoryBudgetError``.
         context: tokens of KV cache (prompt + max_new_tokens) the placement plan reserves room for.
         batch_size: sequences per forward the placement plan reserves caches and activations for.
         progress: show a progress bar by bytes; default: when stderr is a terminal.
@@ -76,6 +81,7 @@ class LoadOptions:
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     combine: Combine | None = None
     max_memory: MaxMemory | Budgets | None = None
+    disk_offload: bool = False
     context: int | None = None
     batch_size: int = 1
     progress: bool | None = None
@@ -96,6 +102,9 @@ class LoadOptions:
                                  "placement plan decides each layer's device.")
             set_("max_memory", parse_max_memory(self.max_memory))
         self._check_types()
+        if self.disk_offload and self.max_memory is None:
+            raise ValueError("disk_offload=True needs max_memory: the budgets decide which layers stay in memory and "
+                             "which are read from the checkpoint file, e.g. max_memory={'cpu': '2GiB'}.")
 
     def _check_types(self) -> None:
         checks: list[tuple[str, Any, bool, str]] = [
@@ -108,6 +117,7 @@ class LoadOptions:
             ("batch_size", self.batch_size, _is_int(self.batch_size), "an int >= 1"),
             ("progress", self.progress, self.progress is None or isinstance(self.progress, bool), "a bool or None"),
             ("mmap", self.mmap, isinstance(self.mmap, bool), "True or False"),
+            ("disk_offload", self.disk_offload, isinstance(self.disk_offload, bool), "True or False"),
             ("prefer", self.prefer, self.prefer is None or isinstance(self.prefer, str), "a file name, a format or None"),
         ]
         for name, value, ok, expected in checks:

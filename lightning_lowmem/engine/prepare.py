@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
+from lightning_lowmem.engine.disk_units import check_streamable
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
@@ -86,7 +87,8 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
 
     Raises:
         CheckpointMismatchError: shapes differ, or (strict) keys are missing or unexpected.
-        MemoryBudgetError: ``max_memory`` cannot hold the model.
+        MemoryBudgetError: ``max_memory`` cannot hold the model (and ``disk_offload`` is off).
+        UnsupportedQuantizationError: with ``disk_offload``, weights left on disk would be quantized as read.
     """
     if source.conversion is not None:
         source.conversion.apply_ties(module)
@@ -104,6 +106,8 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
     if options.budgets is not None:
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
         prepared.device = torch.device(prepared.placement.execution_device)
+        if prepared.placement.on_disk:
+            check_streamable(plan, prepared.placement, source.description)
     return prepared
 
 
@@ -136,7 +140,7 @@ def _place(module: nn.Module, plan: LoadPlan, options: LoadOptions, kv_cache_byt
     if activation_bytes is None:
         activation_bytes = architecture.activation_bytes(module, batch, context or 1, dtype)
     return place_layers(module, plan, options.budgets, cache_bytes=kv_cache_bytes, activation_bytes=activation_bytes,
-                        context=context, batch_size=batch,
+                        context=context, batch_size=batch, disk=options.disk_offload,
                         quantize=options.scheme.name if options.scheme is not None else None)
 
 
@@ -156,6 +160,8 @@ def placement_plan(
     combine: Combine | None = None,
     kv_cache_bytes: int | None = None,
     activation_bytes: int | None = None,
+    disk_offload: bool | None = None,
+    read_bandwidth: float | None = None,
 ) -> PlacementPlan:
     """Where each layer of ``module`` would go under ``max_memory``, without reading any weights.
 
@@ -175,6 +181,10 @@ def placement_plan(
         dtype: the dtype floating tensors are loaded in (default: each tensor's own).
         quantize, skip_quantize, key_map, strict, combine: as in :func:`lightning_lowmem.load_checkpoint`.
         kv_cache_bytes, activation_bytes: override the model architecture's estimates.
+        disk_offload: layers that fit no budget stay in the checkpoint file (``plan.on_disk``), read for each
+            forward: ``plan.disk_read_bytes`` per token.
+        read_bandwidth: bytes per second the file is read at, for ``plan.seconds_per_token()`` (the plan's
+            table shows it); ``estimate_memory`` measures it when not given.
 
     Raises:
         MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
@@ -191,7 +201,7 @@ def placement_plan(
     """
     options = LoadOptions.merge(options, max_memory=max_memory, context=context, batch_size=batch_size,
                                 dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
-                                strict=strict, combine=combine)
+                                strict=strict, combine=combine, disk_offload=disk_offload)
     if options.budgets is None:
         raise ValueError("placement_plan needs max_memory (here or in options), "
                          "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")
@@ -204,4 +214,5 @@ def placement_plan(
             source = stack.enter_context(resolved(checkpoint, module, options))
         prepared = prepare_load(module, source, options, kv_cache_bytes=kv_cache_bytes,
                                 activation_bytes=activation_bytes)
+    prepared.placement.read_bandwidth = read_bandwidth
     return prepared.placement

@@ -4,6 +4,7 @@ targets share (see ``routes.py``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,7 +26,11 @@ quantized (by checkpoint key)."""
 class Reader:
     """What routes read with: the checkpoint, the module (for a shard's local part), the reused scratch buffer, the
     buffer blocks of rows are read into, the parts several targets share, the conversion's ``combine`` and
-    ``transform``, and the threads that read and quantize blocks of rows (``workers``; None: one block at a time)."""
+    ``transform``, and the threads that read and quantize blocks of rows (``workers``; None: one block at a time).
+
+    ``destination``, when set, gives the memory a final tensor is read into (the disk tier's layer buffer,
+    ``engine/disk_tier.py``); without it each final tensor is new memory.
+    """
 
     def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
                  scratch_size: int = 0, transform: Transform | None = None, workers: RowWorkers | None = None) -> None:
@@ -35,6 +40,11 @@ class Reader:
         self.scratch_size = scratch_size
         self.parts = SharedParts(ckpt, plan)
         self.rows = RowBuffer()  # the one buffer blocks of rows are read into (row_reads.py)
+        self.destination: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+
+    def final_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """Where a tensor read as it is kept goes: a view of ``destination`` when set, else None (new memory)."""
+        return self.destination(shape, dtype) if self.destination is not None else None
 
     def scratch_view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A view of the scratch buffer of ``shape`` and ``dtype``, or None when there is none that large."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lightning_lowmem.engine.disk_tier import DiskTier
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import MemoryUsage, format_bytes
 from lightning_lowmem.placement import Offload, PlacementPlan
@@ -37,6 +38,9 @@ class LoadReport:
             moves and quantizes nothing), not copies.
         placement: the placement plan (``max_memory`` only).
         offload: the hooks that stream the offloaded layers in (``max_memory`` only, when layers are offloaded).
+        disk: the disk tier (``disk_offload=True``, when layers were left in the checkpoint file): the hooks that
+            read them for each forward, and the checkpoint they read, open while the model lives.
+            ``report.disk.close()`` takes them off and closes the file (then those layers are on meta).
         rank: this process's rank in the default process group (0 without one).
         shard_bytes: bytes of this rank's parts of the module's DTensor parameters (0 for a module that
             holds no DTensor); ``bytes_read`` is then what this rank read.
@@ -66,6 +70,7 @@ class LoadReport:
     mapped: bool = False
     placement: PlacementPlan | None = None
     offload: Offload | None = None
+    disk: DiskTier | None = None
     rank: int = 0
     shard_bytes: int = 0
     read_whole: dict[str, str] = field(default_factory=dict)
@@ -100,7 +105,10 @@ class LoadReport:
         if self.placement is not None:
             per_device = self.placement.weights_per_device()
             lines.append("  placement: " + ", ".join(f"{format_bytes(n)} on {d}" for d, n in per_device.items())
-                         + f" ({len(self.placement.offloaded)} layers offloaded)")
+                         + f" ({len(self.placement.offloaded)} layers offloaded"
+                         + (f", {len(self.placement.on_disk)} on disk" if self.placement.on_disk else "") + ")")
+        if self.disk is not None:
+            lines.append(f"  disk: {self.disk}")
         if self.conversion:
             lines.append(f"  names: {self.conversion}")
         if self.key_note:

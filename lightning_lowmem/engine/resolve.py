@@ -130,7 +130,9 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
             choice = choose_set(path, module, options.prefer, stack)
             ckpt, why = choice.checkpoint, choice.why
         log.info("Checkpoint: %s", why)
-        yield source_of(ckpt, module, options, why)
+        source = source_of(ckpt, module, options, why)
+        del module  # a model that keeps this checkpoint open (disk_offload) is not kept alive by it
+        yield source
 
 
 @contextlib.contextmanager

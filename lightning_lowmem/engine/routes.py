@@ -117,7 +117,7 @@ class Whole(Route):
 
     def read(self, reader: Reader) -> Payload:
         rec = self.target.record
-        out = reader.scratch_view(rec.shape, rec.dtype) if self.copied else None
+        out = reader.scratch_view(rec.shape, rec.dtype) if self.copied else reader.final_out(rec.shape, rec.dtype)
         return reader.ckpt.read(rec.key, out=out)
 
     @property
@@ -184,7 +184,9 @@ class BuiltRows(Route):
     kind: ClassVar[str] = "built rows"
 
     def read(self, reader: Reader) -> Payload:
-        return read_built(reader.ckpt, self.target, reader.transform, reader.rows)
+        target = self.target
+        out = reader.final_out(target.record.shape, target.dtype) if target.device.type == "cpu" else None
+        return read_built(reader.ckpt, target, reader.transform, reader.rows, out)
 
     @property
     def transient(self) -> int:
@@ -236,7 +238,7 @@ class Stored(Route):
     kind: ClassVar[str] = "stored"
 
     def read(self, reader: Reader) -> Payload:
-        return {p.key: reader.ckpt.read(p.key) for p in self.target.parts}
+        return {p.key: reader.ckpt.read(p.key, out=reader.final_out(p.shape, p.dtype)) for p in self.target.parts}
 
     @property
     def transient(self) -> int:  # on CPU the parts read are the final tensors

@@ -124,11 +124,13 @@ def rows_reader(ckpt: Checkpoint, target: Target, transform: Transform | None,
 
 
 def read_built(ckpt: Checkpoint, target: Target, transform: Transform | None,
-               buffer: RowBuffer | None = None) -> torch.Tensor:
+               buffer: RowBuffer | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``target``'s final tensor (its dtype, on its device), filled a block of rows at a time: each block read
-    (into ``buffer``), rewritten by ``transform`` and cast into place."""
+    (into ``buffer``), rewritten by ``transform`` and cast into place (into ``out`` when given: a tensor of its
+    shape and dtype, such as the disk tier's slot for it)."""
     rec = target.record
-    out = torch.empty(rec.shape, dtype=target.dtype, device=target.device)
+    if out is None:
+        out = torch.empty(rec.shape, dtype=target.dtype, device=target.device)
     buffer = buffer if buffer is not None else RowBuffer()
     rows = rows_reader(ckpt, target, transform, buffer)
     step = block_rows(target, transform)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
+from lightning_lowmem.engine.disk_units import ON_DISK
 from lightning_lowmem.errors import MetaTensorError, UnsupportedQuantizationError, format_names
 from lightning_lowmem.formats.atomic_file import copy_new
 from lightning_lowmem.formats.safetensors_writer import (  # SCHEME_KEY: still importable from here
@@ -157,6 +158,7 @@ def module_state(module: nn.Module) -> ModuleState:
     """
     module = fabric_unwrapped(module)  # its names, not the wrapper's
     _refuse_parametrized(module)
+    _refuse_on_disk(module)
     state, seen, on_meta = ModuleState(), {}, []
     cache = _Latest()
     for name, mod in module.named_modules():
@@ -198,6 +200,18 @@ def _refuse_parametrized(module: nn.Module) -> None:
             f"Cannot save {type(module).__name__}: {format_names(held)} are held through a parametrization (expert "
             "stacks quantized by bitsandbytes 4-bit), which save_checkpoint does not write yet. Save the model "
             "loaded in full precision and pass quantize= when loading it; nothing was written.")
+
+
+def _refuse_on_disk(module: nn.Module) -> None:
+    """Raise for modules whose tensors are read from their checkpoint for each forward (``disk_offload``): between
+    forwards they hold placeholders, which a save would write as weights."""
+    on_disk = {name: mod.__dict__[ON_DISK] for name, mod in module.named_modules() if ON_DISK in mod.__dict__}
+    if on_disk:
+        raise ValueError(
+            f"Cannot save {type(module).__name__}: {len(on_disk)} of its modules ({format_names(on_disk, 3)}) are read "
+            f"from {next(iter(on_disk.values()))} for each forward (disk_offload) and hold no weights between "
+            "forwards; nothing was written. That file already holds them: copy it, or load the model without "
+            "disk_offload (or quantized, with quantize=) to save it.")
 
 
 def transformers_config(module: nn.Module, state: ModuleState) -> dict | None:

@@ -53,7 +53,8 @@ class Stacked(Route):
         if target.shard is not None:
             out = local_of(reader.module, target)  # this rank's part: filled in place
         else:
-            out = torch.empty(target.record.shape, dtype=target.dtype, device=target.device)
+            out = reader.final_out(target.record.shape, target.dtype) if target.device.type == "cpu" else None
+            out = torch.empty(target.record.shape, dtype=target.dtype, device=target.device) if out is None else out
         rows = out.view(-1, *target.stack.tail)  # (stack rows, *tail)
         for part, start, stop, at in target.pieces():
             reader.fill(part, start, stop, rows[at:at + stop - start])

@@ -49,7 +49,7 @@ class LowMemCallback(pl.Callback):
             ``strict`` (default True) fails on checkpoint keys with no place in the module and on module
             tensors missing from the checkpoint, except the trainable parameters the module adds (they
             are initialized).
-        quantize, skip_quantize, dtype, strict, key_map, progress, max_memory, context: the fields of
+        quantize, skip_quantize, dtype, strict, key_map, progress, max_memory, disk_offload, context: the fields of
             :class:`~lightning_lowmem.LoadOptions`.
         save_frozen: keep the frozen weights loaded from ``checkpoint`` in Lightning checkpoints.
             Default False: checkpoints hold what trains, and a run restored from one
@@ -74,12 +74,13 @@ class LowMemCallback(pl.Callback):
         save_frozen: bool = False,
         progress: bool | None = None,
         max_memory: MaxMemory | None = None,
+        disk_offload: bool | None = None,
         context: int | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.loader = LightningLoader(LoadOptions.merge(
             options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict, key_map=key_map,
-            progress=progress, max_memory=max_memory, context=context))
+            progress=progress, max_memory=max_memory, disk_offload=disk_offload, context=context))
         self.save_frozen = save_frozen
         self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._frozen: set[str] = set()  # frozen parameters (and quantized modules) that came from `checkpoint`
@@ -98,6 +99,11 @@ class LowMemCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not Path(self.checkpoint).expanduser().exists():  # a wrong path fails now, before anything is built
             raise CheckpointNotFoundError(f"Checkpoint {str(self.checkpoint)!r} does not exist. Check the path.")
+        if stage == "fit" and self.options.disk_offload:
+            raise ValueError("LowMemCallback(disk_offload=True) reads the layers left in the checkpoint file for each "
+                             "forward: that is for trainer.predict, validate and test. trainer.fit cannot train "
+                             "through them: raise max_memory so that the model stays in memory (quantize='bnb.nf4' "
+                             "makes it 4x smaller), or drop disk_offload.")
         if getattr(pl_module.__dict__.get("configure_model"), "lowmem_callback", None) is self:
             return
         original = pl_module.configure_model

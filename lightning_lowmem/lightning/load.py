@@ -58,8 +58,21 @@ class LightningLoader:
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
     def track(self, optimizer: Optimizer) -> None:
-        """Re-point ``optimizer`` at the loaded parameters after each load (it was set up on the meta ones)."""
+        """Re-point ``optimizer`` at the loaded parameters after each load (it was set up on the meta ones).
+
+        Raises:
+            ValueError: the loads leave layers on disk (``disk_offload``), which cannot be trained.
+        """
+        self._refuse_training("an optimizer was set up")
         self._optimizers.add(optimizer)
+
+    def _refuse_training(self, why: str) -> None:
+        if self.options.disk_offload:
+            raise ValueError(
+                f"{why}, but the load options have disk_offload=True: layers left in the checkpoint file are read "
+                "for each forward, for inference (predict, validate, test, generation). Training through them is not "
+                "supported: raise max_memory so that the model stays in memory (quantize='bnb.nf4' makes it 4x "
+                "smaller), or drop disk_offload.")
 
     def dtype(self, precision: object) -> torch.dtype | None:
         """What weights are cast to: the ``dtype`` option, else the precision plugin's
@@ -71,6 +84,8 @@ class LightningLoader:
              optimizers: Iterable[Optimizer] = ()) -> LoadReport:
         """Load ``checkpoint`` into ``module`` on ``device`` (:func:`load_into`), keep the report, and point the
         tracked ``optimizers`` (and those given) at the loaded parameters."""
+        if optimizers:
+            self._refuse_training("optimizers are restored with the weights")
         before = dict(module.named_parameters(remove_duplicate=False))
         options = LoadOptions.merge(self.options, dtype=self.dtype(precision),
                                     device=None if self.options.max_memory else device)

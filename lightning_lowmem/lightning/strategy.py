@@ -88,8 +88,10 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
             ``dtype`` defaults to the precision plugin's dtype for ``"bf16-true"``/``"16-true"``/``"64-true"``,
             else the dtype the model was built with; ``strict`` None lets each ``load``/``load_raw`` call's
             ``strict`` decide. ``quantize`` works on CPU and CUDA, unlike ``BitsandbytesPrecision``.
-        quantize, skip_quantize, dtype, strict, key_map, progress, transform, combine, max_memory, context:
-            the fields of :class:`~lightning_lowmem.LoadOptions`.
+        quantize, skip_quantize, dtype, strict, key_map, progress, transform, combine, max_memory, disk_offload,
+            context: the fields of :class:`~lightning_lowmem.LoadOptions`. With ``disk_offload``, the layers left in
+            the checkpoint file are read for each forward (inference only: setting up an optimizer raises; run
+            forwards under ``torch.no_grad()``); ``strategy.reports[-1].disk`` holds them and the open file.
         init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters); False for
             inference, where anything the checkpoint lacks is an error.
 
@@ -123,12 +125,14 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
         transform: Transform | None = None,
         combine: Combine | None = None,
         max_memory: MaxMemory | None = None,
+        disk_offload: bool | None = None,
         context: int | None = None,
         init_added: bool = True,
     ) -> None:
         options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
                                     strict=strict, key_map=key_map, progress=progress, transform=transform,
-                                    combine=combine, max_memory=max_memory, context=context)
+                                    combine=combine, max_memory=max_memory, disk_offload=disk_offload,
+                                    context=context)
         device = device if device is not None else options.device
         device = indexed(device) if device is not None else None
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
@@ -203,7 +207,7 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        self.loader.track(optimizer)  # re-pointed at the loaded parameters by load_checkpoint
+        self.loader.track(optimizer)  # re-pointed at the loaded parameters by load_checkpoint; refused with disk_offload
         return super().setup_optimizer(optimizer)
 
     @override
@@ -224,16 +228,19 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
     def _load_state(self, path: str | Path | Checkpoint, state: dict[str, Any], strict: bool,
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
-        with opened(path, prefer=self.options.prefer) as ckpt:  # once: headers, other entries, then the weights
+        with ExitStack() as stack:  # opened once: headers, other entries, then the weights
+            ckpt = stack.enter_context(opened(path, prefer=self.options.prefer))
             rest = other_entries(ckpt, state, weights_only)
             key = weights_key(ckpt, state)
             _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)
             if key is not None:
-                self._stream(ckpt, state[key], strict=strict,
-                             optimizers=[v for v in state.values() if isinstance(v, Optimizer)])
+                report = self._stream(ckpt, state[key], strict=strict,
+                                      optimizers=[v for v in state.values() if isinstance(v, Optimizer)])
+                if report.disk is not None:
+                    report.disk.own(stack.pop_all())  # layers on disk read from it while the model lives
         return restore_entries(state, rest, key, strict)
 
     def _stream(self, path: str | Path | Checkpoint, module: nn.Module, strict: bool,
-                optimizers: list[Optimizer] = ()) -> None:
-        self.loader.load(module, path, device=self.root_device, precision=self.precision, strict=strict,
-                         optimizers=optimizers)
+                optimizers: list[Optimizer] = ()) -> LoadReport:
+        return self.loader.load(module, path, device=self.root_device, precision=self.precision, strict=strict,
+                                optimizers=optimizers)

@@ -169,9 +169,10 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
 
     from lightning_lowmem.lightning.strategy import LowMemStrategy
 
-    if options.device is None or options.dtype is None:
+    device = options.device or (torch.device(options.budgets.execution_device) if options.budgets else None)
+    if device is None or options.dtype is None:
         raise ValueError("load_litgpt needs the device and dtype decided (generation_options decides them).")
-    fabric = L.Fabric(accelerator=options.device.type, devices=1, strategy=LowMemStrategy(device=options.device),
+    fabric = L.Fabric(accelerator=device.type, devices=1, strategy=LowMemStrategy(device=device),
                       precision=precision_flag(options.dtype))
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)

@@ -32,7 +32,9 @@ from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
-from lightning_lowmem.placement import MaxMemory, build_meta_model
+from lightning_lowmem.formats.read_speed import measure_read_speed
+from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.placement import MaxMemory, PlacementPlan, build_meta_model
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
 
@@ -51,6 +53,8 @@ def estimate_memory(
     key_map: KeyMap | None = None,
     runtime: int = CPU_RUNTIME,
     max_memory: MaxMemory | None = None,
+    disk_offload: bool | None = None,
+    read_bandwidth: float | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of loading ``source`` and generating from it, reading headers only.
 
@@ -71,6 +75,12 @@ def estimate_memory(
         config: the litgpt config of a checkpoint without ``model_config.yaml``: a litgpt model name
             (``"pythia-1b"``), a ``Config``, or the path of a ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
+        disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file: the estimate
+            says which (``est.placement.on_disk``), the bytes each token reads (``est.disk_read``) and the seconds
+            that takes (``est.seconds_per_token``) before anything is loaded.
+        read_bandwidth: bytes per second the checkpoint file is read at; default: measured on the file
+            (:func:`~lightning_lowmem.formats.read_speed.measure_read_speed`: O_DIRECT, the storage, not the page
+            cache) when layers are on disk; a litgpt config or name has no file to measure.
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
@@ -88,7 +98,7 @@ def estimate_memory(
     import_litgpt(needed_by="lightning_lowmem.estimate_memory()")  # its model is litgpt's GPT
     dtype = load_dtype(dtype or (options.dtype if options is not None else None), None, torch.bfloat16)
     options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
-                                max_memory=max_memory, batch_size=batch_size, strict=False)
+                                max_memory=max_memory, disk_offload=disk_offload, batch_size=batch_size, strict=False)
     with contextlib.ExitStack() as stack:
         model, source, name, tokenizer = _model_and_source(source, config, options, stack)
         is_litgpt = _is_config(getattr(model, "config", None))
@@ -100,6 +110,7 @@ def estimate_memory(
             raise ValueError("max_memory= needs a litgpt config to group layers into a placement: pass config=.")
         options = LoadOptions.merge(options, context=length or None)
         prepared = prepare_load(model, source, options, check_keys=False)
+        note = _read_bandwidth(prepared.placement, source, read_bandwidth)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
                             with_caches=is_litgpt)
@@ -108,7 +119,24 @@ def estimate_memory(
         built = f"the {name} its config.json describes (transformers), built on meta" if hasattr(model, "config") \
             else "Linear layers guessed from key names and shapes"
         est.notes.append(f"no litgpt config: KV cache, mask, RoPE and activations not estimated; {built}")
+    if note:
+        est.notes.append(note)
     return est
+
+
+def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: float | None) -> str:
+    """Put the read bandwidth on a placement with layers on disk: ``given``, else measured on the source's files;
+    returns a note saying which (empty without layers on disk)."""
+    if placement is None or not placement.on_disk:
+        return ""
+    if given is not None:
+        placement.read_bandwidth = float(given)
+        return f"layers on disk read at {format_bytes(given)}/s (given)"
+    if not source.paths:
+        return "no checkpoint file to measure its read speed: pass read_bandwidth= (bytes per second) for s/token"
+    speed = measure_read_speed(source.paths)
+    placement.read_bandwidth = speed.bytes_per_second
+    return f"read speed of {source.description} measured: {speed}"
 
 
 def _model_and_source(source: Any, config: Any | None, options: LoadOptions,

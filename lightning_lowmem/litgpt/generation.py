@@ -11,6 +11,7 @@ and report the memory of each: weights, KV cache, mask, RoPE, peak RSS.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
+from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.quantize import module_nbytes
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
 
@@ -96,10 +98,25 @@ class GenerateResult:
 def generation_options(options: LoadOptions | None, precision: str | None, **overrides: Any) -> LoadOptions:
     """The load options of a generation, built once: ``options`` with the keyword arguments put in, and the dtype
     decided by :func:`~lightning_lowmem.dtypes.load_dtype` (``options.dtype``, else ``precision``, litgpt's
-    ``--precision``, else bf16), and the device (``device``, else ``options.device``, else the CPU)."""
+    ``--precision``, else bf16), and the device (``device``, else ``options.device``, else the CPU; with
+    ``max_memory``, the placement's execution device instead)."""
     given = options.dtype if options is not None else None
-    device = overrides.pop("device", None) or (options.device if options is not None else None) or "cpu"
-    return LoadOptions.merge(options, **overrides, device=device, dtype=load_dtype(given, precision, torch.bfloat16))
+    options = LoadOptions.merge(options, **{k: v for k, v in overrides.items() if k != "device"},
+                                dtype=load_dtype(given, precision, torch.bfloat16))
+    device = overrides.get("device") or options.device
+    if options.budgets is not None:
+        if device is not None and torch.device(device).type != torch.device(options.budgets.execution_device).type:
+            raise ValueError(f"device={str(device)!r} and max_memory (whose layers run on "
+                             f"{options.budgets.execution_device!r}) disagree: pass one of them.")
+        return options
+    return LoadOptions.merge(options, device=device or "cpu")
+
+
+def execution_device(options: LoadOptions) -> torch.device:
+    """Where a generation loaded with ``options`` runs: ``max_memory``'s execution device, else ``options.device``."""
+    if options.budgets is not None:
+        return torch.device(options.budgets.execution_device)
+    return torch.device(options.device or "cpu")
 
 
 def load_for_generation(
@@ -110,10 +127,14 @@ def load_for_generation(
     precision: str | None = None,
     device: torch.device | str | None = None,
     config: Any | None = None,
+    max_memory: MaxMemory | None = None,
+    disk_offload: bool | None = None,
 ) -> tuple[nn.Module, Any | None, LoadReport]:
     """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``. ``checkpoint_dir`` is a path, or
-    what :meth:`LitgptCheckpoint.find` found there."""
-    options = generation_options(options, precision, quantize=quantize, device=device)
+    what :meth:`LitgptCheckpoint.find` found there. With layers left on disk, ``report.disk`` reads them for each
+    forward while the model lives (``report.disk.close()`` ends that)."""
+    options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
+                                 disk_offload=disk_offload)
     checkpoint = _found(checkpoint_dir, config, options)
     model, report = load_litgpt(checkpoint, options)
     return model, checkpoint.tokenizer, report
@@ -163,6 +184,8 @@ def generate(
     config: Any | None = None,
     tokenizer: Any | None = None,
     seed: int | None = 1234,
+    max_memory: MaxMemory | None = None,
+    disk_offload: bool | None = None,
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
 
@@ -185,6 +208,11 @@ def generate(
             or the path of a ``model_config.yaml`` (``TypeError`` for anything else).
         tokenizer: a litgpt ``Tokenizer`` for a model passed in directly.
         seed: seeds torch before sampling (litgpt's CLI uses 1234); None leaves the RNG alone.
+        max_memory: device budgets instead of ``device`` (see :class:`~lightning_lowmem.LoadOptions`); the
+            placement reserves the KV caches of this request (prompt + ``max_new_tokens``).
+        disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file and are
+            read for each token's forward, the next one read while this one computes; the caches stay in memory.
+            The file is closed when the generation ends.
 
     Returns:
         A :class:`GenerateResult`: tokens, texts, timings and a memory summary.
@@ -205,22 +233,26 @@ def generate(
     # imported before the monitor starts: its import is no model memory
     import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
 
-    options = generation_options(options, precision, quantize=quantize, device=device)
+    options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
+                                 disk_offload=disk_offload)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
     if found is not None:
         check_length(ids.numel() + max_new_tokens, found.config.block_size)
-    with MemoryMonitor(device=cuda_or_none(options.device)) as monitor:
+    if options.budgets is not None and options.context is None:  # the placement holds this request's caches
+        options = LoadOptions.merge(options, context=ids.numel() + max_new_tokens)
+    with MemoryMonitor(device=cuda_or_none(execution_device(options))) as monitor:
         report = None
         if found is None:
             model = unwrap_model(checkpoint)
         else:
             model, report = load_litgpt(found, options)
-        ids = ids.to(next(model.parameters()).device)
-        result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
-        _run_samples(model, ids, result, tokenizer, max_new_tokens, num_samples, seed,
-                     dict(temperature=temperature, top_k=top_k, top_p=top_p))
+        with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
+            device = execution_device(options) if report is not None else next(model.parameters()).device
+            result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
+            _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
+                         dict(temperature=temperature, top_k=top_k, top_p=top_p))
     result.memory = _memory(model, monitor, report)
     return result
 
@@ -235,7 +267,7 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
         torch.manual_seed(seed)
     trim_bnb_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
     for _ in range(num_samples):
-        setup_kv_cache(model, 1, total)  # the first sample allocates, the others reuse (zeroed)
+        setup_kv_cache(model, 1, total, device=ids.device)  # the first sample allocates, the others reuse (zeroed)
         t0 = time.perf_counter()
         tokens = litgpt_generate(model, ids, total, eos_id=eos_id, **sampling)
         result.seconds.append(time.perf_counter() - t0)

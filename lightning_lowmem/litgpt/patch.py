@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
-from lightning_lowmem.engine import load_checkpoint
+from lightning_lowmem.engine import LoadOptions, load_checkpoint
 from lightning_lowmem.errors import KVCacheTooShortError
 from lightning_lowmem.litgpt.guard import release_all_rope
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
@@ -48,6 +48,7 @@ from lightning_lowmem.litgpt.kv_cache import model_device, setup_kv_cache, unwra
 from lightning_lowmem.litgpt.requirement import import_litgpt
 
 _ORIGINALS: dict[tuple[type, str], Any] = {}
+_STREAM_OPTIONS: list[LoadOptions | None] = [None]  # patch_litgpt(options=...): what LLM's streamed load is given
 
 
 class LitgptPatch:
@@ -69,12 +70,18 @@ class LitgptPatch:
         self.undo()
 
 
-def patch_litgpt() -> LitgptPatch:
+def patch_litgpt(options: LoadOptions | None = None) -> LitgptPatch:
     """Make every litgpt path that sets up generation size its caches to prompt + max_new_tokens.
 
     Patched: ``GPT.set_kv_cache``, ``CausalSelfAttention.build_kv_cache`` (and
     ``MultiheadLatentAttention.build_kv_cache``), ``LLM.generate``,
-    ``LLM.distribute`` and ``LLM.load``. Calling it again does nothing.
+    ``LLM.distribute`` and ``LLM.load``. Calling it again does nothing but set ``options``.
+
+    Args:
+        options: the load options of ``LLM.load`` / ``LLM.distribute``'s streamed load, e.g.
+            ``LoadOptions(max_memory={"cpu": "2GiB"}, disk_offload=True)`` to leave the layers that do not fit
+            in ``lit_model.pth`` and read them for each forward (``LLM.generate`` runs under inference mode);
+            default: the device Fabric chose, nothing else.
 
     Example::
 
@@ -85,6 +92,7 @@ def patch_litgpt() -> LitgptPatch:
         >>> model.transformer.h[0].attn.kv_cache.k.dtype, model.cos.shape[0]  # litgpt alone: float32, 2048
         (torch.bfloat16, 114)
     """
+    _STREAM_OPTIONS[:] = [options]
     if _ORIGINALS:
         return LitgptPatch(applied=False)
     litgpt_model = import_litgpt("litgpt.model", needed_by="lightning_lowmem.patch_litgpt()")
@@ -104,6 +112,7 @@ def patch_litgpt() -> LitgptPatch:
 
 def unpatch_litgpt() -> None:
     """Put litgpt's own methods back. Hooks already added to model instances stay (they only raise clear errors)."""
+    _STREAM_OPTIONS[:] = [None]
     while _ORIGINALS:
         (owner, name), original = _ORIGINALS.popitem()
         setattr(owner, name, original)
@@ -236,4 +245,8 @@ def _meta_gpt(config: Any) -> nn.Module:
 
 
 def _stream_checkpoint(fabric: Any, model: nn.Module, checkpoint_path: Any, strict: bool = True) -> None:
-    load_checkpoint(model, checkpoint_path, device=fabric.device, strict=strict)
+    options = _STREAM_OPTIONS[0]
+    if options is not None and options.max_memory is not None:  # the placement decides the devices
+        load_checkpoint(model, checkpoint_path, options=options, strict=strict)
+        return
+    load_checkpoint(model, checkpoint_path, options=options, device=fabric.device, strict=strict)

@@ -26,10 +26,11 @@ from lightning_lowmem.placement.offload import (
     offloaded,
     sequential_offload,
 )
-from lightning_lowmem.placement.place import PlacementPlan, place_layers
+from lightning_lowmem.placement.place import DISK, PlacementPlan, place_layers
 from lightning_lowmem.placement.fsdp_layout import shard_model, shardable_blocks
 
 __all__ = [
+    "DISK",
     "GENERIC",
     "Architecture",
     "Budgets",

@@ -29,6 +29,8 @@ class Layer:
         modules: the module names it covers.
         tensors: every name of its loaded tensors (tied names included).
         nbytes: bytes of its tensors on the device: target dtype, after quantization (``Target.final_nbytes``).
+        read_nbytes: bytes read from the checkpoint for its tensors (``Target.read_nbytes``): what a forward reads
+            when the layer stays in the checkpoint file (``disk_offload``).
         is_block: a child of the model's first ``ModuleList``.
         movable: False for tensors owned by the root or an ancestor of the blocks: never offloaded.
         device: where the plan puts it (filled in by the placement).
@@ -38,6 +40,7 @@ class Layer:
     modules: list[str]
     tensors: list[str] = field(default_factory=list)
     nbytes: int = 0
+    read_nbytes: int = 0
     is_block: bool = False
     movable: bool = True
     device: str = ""
@@ -87,6 +90,7 @@ def group_layers(module: nn.Module, plan: LoadPlan) -> list[Layer]:
                 _join(layers, home, layer, other)
         layer.tensors += target.names
         layer.nbytes += target.final_nbytes
+        layer.read_nbytes += target.read_nbytes
     return list(layers.values())
 
 
@@ -103,6 +107,7 @@ def _join(layers: dict[str, Layer], home: dict[str, str], keep: Layer, other: La
     keep.modules += other.modules
     keep.tensors += other.tensors
     keep.nbytes += other.nbytes
+    keep.read_nbytes += other.read_nbytes
     keep.is_block = keep.is_block and other.is_block
     keep.movable = keep.movable and other.movable
     keep.name = f"{keep.name}+{other.name}"

@@ -15,6 +15,12 @@ budget holds the offloaded weights (the master copies that :mod:`.offload`
 streams in). Each layer's bytes are its targets' ``final_nbytes``: the target
 dtype, quantized exactly where the load quantizes. The plan is arithmetic:
 device names need not exist on this machine.
+
+With the disk tier (``disk_offload=True``), a layer that fits no budget stays in the
+checkpoint file (device ``"disk"``) and is read for each of its forwards into one of two
+host buffers the size of the largest such layer (``engine/disk_tier.py``). The budgets hold
+what stays in memory; the two read buffers come beside them (``disk_buffer_bytes``), and
+each forward reads every layer on disk once (``disk_read_bytes``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,14 @@ from torch import nn
 
 from lightning_lowmem.errors import MemoryBudgetError
 from lightning_lowmem.memory.units import format_bytes
-from lightning_lowmem.placement.budgets import Budgets
+from lightning_lowmem.placement.budgets import HOST, Budgets
 from lightning_lowmem.placement.layers import Layer, group_layers
 from lightning_lowmem.plan import LoadPlan
+
+DISK = "disk"
+"""The device name of layers that stay in the checkpoint file and are read for each forward (``disk_offload``)."""
+DISK_BUFFERS = 2
+"""Host buffers the layers on disk are read into: the one a layer computes from, and the next one's."""
 
 
 @dataclass
@@ -48,6 +59,9 @@ class PlacementPlan:
         context: tokens the caches were sized for (None: no cache reserved).
         batch_size: batch the caches and activations were sized for.
         quantize: the scheme the weight bytes assume.
+        disk: layers that fit no budget may stay in the checkpoint file (``disk_offload=True``).
+        read_bandwidth: bytes per second the checkpoint file is read at, for :meth:`seconds_per_token`
+            (given, or measured by the estimate); None when not known.
     """
 
     layers: list[Layer]
@@ -60,6 +74,8 @@ class PlacementPlan:
     context: int | None = None
     batch_size: int = 1
     quantize: str | None = None
+    disk: bool = False
+    read_bandwidth: float | None = None
     _device_of: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -70,10 +86,48 @@ class PlacementPlan:
         return [layer for layer in self.layers if layer.device == self.offload_device]
 
     @property
+    def on_disk(self) -> list[Layer]:
+        """The layers left in the checkpoint file and read for each of their forwards (``disk_offload``)."""
+        return [layer for layer in self.layers if layer.device == DISK]
+
+    @property
+    def streamed(self) -> list[Layer]:
+        """The layers copied into the execution device's memory for their forward: those offloaded to the CPU, and
+        those on disk when the execution device is an accelerator (on the CPU they compute from the read buffers)."""
+        return self.offloaded + (self.on_disk if self.execution_device != HOST else [])
+
+    @property
     def stream_bytes(self) -> int:
         """Room reserved on the execution device for streamed-in layers: the ``stream_buffers`` largest."""
-        sizes = sorted((layer.nbytes for layer in self.offloaded), reverse=True)
+        sizes = sorted((layer.nbytes for layer in self.streamed), reverse=True)
         return sum(sizes[:self.stream_buffers])
+
+    @property
+    def disk_read_bytes(self) -> int:
+        """Bytes read from the checkpoint file for each forward (each generated token): every layer on disk."""
+        return sum(layer.read_nbytes for layer in self.on_disk)
+
+    @property
+    def disk_buffer_bytes(self) -> int:
+        """Host memory the layers on disk are read into, beside the budgets: two buffers of the largest of them."""
+        return DISK_BUFFERS * max((layer.nbytes for layer in self.on_disk), default=0)
+
+    def seconds_per_token(self, read_bandwidth: float | None = None) -> float | None:
+        """Seconds each forward spends reading the layers on disk, at ``read_bandwidth`` bytes per second (default:
+        the plan's); None when no bandwidth is known. The next layer is read while this one computes, so this is
+        the time per token wherever reading is slower than computing.
+
+        Example::
+
+            >>> plan = PlacementPlan([Layer("h.0", ["h.0"], nbytes=10, read_nbytes=10, device="disk")],
+            ...                      {"cpu": 100}, "cpu", None, disk=True)
+            >>> plan.seconds_per_token(read_bandwidth=20.0)
+            0.5
+        """
+        bandwidth = read_bandwidth if read_bandwidth is not None else self.read_bandwidth
+        if not self.on_disk:
+            return 0.0
+        return self.disk_read_bytes / bandwidth if bandwidth else None
 
     @property
     def prefetch(self) -> bool:
@@ -81,8 +135,8 @@ class PlacementPlan:
         return self.stream_buffers >= 2
 
     def weights_per_device(self) -> dict[str, int]:
-        """Weight bytes the plan puts on each device."""
-        out = dict.fromkeys(self.budgets, 0)
+        """Weight bytes the plan puts on each device (and ``"disk"``: left in the checkpoint file)."""
+        out = dict.fromkeys([*self.budgets, *([DISK] if self.disk else [])], 0)
         for layer in self.layers:
             out[layer.device] += layer.nbytes
         return out
@@ -113,13 +167,23 @@ class PlacementPlan:
                 "cache_bytes": self.cache_bytes, "activation_bytes": self.activation_bytes,
                 "stream_bytes": self.stream_bytes, "stream_buffers": self.stream_buffers, "context": self.context,
                 "batch_size": self.batch_size, "quantize": self.quantize,
+                "disk": {"layers": len(self.on_disk), "read_bytes_per_forward": self.disk_read_bytes,
+                         "buffer_bytes": self.disk_buffer_bytes, "read_bandwidth": self.read_bandwidth,
+                         "seconds_per_token": self.seconds_per_token()} if self.disk else None,
                 "layers": [{"name": layer.name, "bytes": layer.nbytes, "device": layer.device} for layer in self.layers]}
 
     def device_of(self, tensor_name: str) -> torch.device:
-        """The device the plan gives the tensor ``tensor_name`` (any of its tied names)."""
+        """The device the plan gives the tensor ``tensor_name`` (any of its tied names); for a layer on disk, the host,
+        where its read buffers are."""
         if not self._device_of:
             self._device_of = {name: layer.device for layer in self.layers for name in layer.tensors}
-        return torch.device(self._device_of[tensor_name])
+        device = self._device_of[tensor_name]
+        return torch.device(HOST if device == DISK else device)
+
+    def is_on_disk(self, tensor_name: str) -> bool:
+        """Whether the tensor ``tensor_name`` (any of its tied names) stays in the checkpoint file."""
+        self.device_of(tensor_name)  # fills the table
+        return self._device_of[tensor_name] == DISK
 
     def __str__(self) -> str:
         weights, reserved, used = self.weights_per_device(), self.reserved_per_device(), self.used_per_device()
@@ -133,8 +197,20 @@ class PlacementPlan:
                      f"{format_bytes(self.activation_bytes)}, streaming {format_bytes(self.stream_bytes)} "
                      + (f"(the {self.stream_buffers} largest offloaded layers"
                         f"{', for prefetch' if self.prefetch else ''})" if self.stream_buffers else "(none offloaded)"))
+        if self.on_disk:
+            lines.append(self._disk_line())
         lines += [f"  {name:<34}{size:>22}  {device}" for name, size, device in _runs(self.layers)]
         return "\n".join(lines)
+
+    def _disk_line(self) -> str:
+        n, largest = len(self.on_disk), self.disk_buffer_bytes // DISK_BUFFERS
+        line = (f"  on disk (read from the checkpoint file for each forward): {n} layer{'s' if n > 1 else ''}, "
+                f"{format_bytes(self.weights_per_device()[DISK])}; {format_bytes(self.disk_read_bytes)} read per "
+                f"token, into {DISK_BUFFERS} x {format_bytes(largest)} host buffers beside the budgets")
+        seconds = self.seconds_per_token()
+        if seconds is not None:
+            line += f"; ~{seconds:.3g} s/token reading at {format_bytes(self.read_bandwidth)}/s"
+        return line
 
 
 def _runs(layers: list[Layer]) -> list[tuple[str, str, str]]:
@@ -170,9 +246,13 @@ def place_layers(
     context: int | None = None,
     batch_size: int = 1,
     quantize: str | None = None,
+    disk: bool = False,
 ) -> PlacementPlan:
     """Place the layers of ``plan`` within ``budgets``, reserving ``cache_bytes`` and ``activation_bytes``
     on the execution device; writes each target's device into ``plan``.
+
+    With ``disk``, a layer that fits no budget stays in the checkpoint file (``"disk"``; its targets' device is
+    the host, where it is read for each forward).
 
     Raises:
         MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
@@ -180,7 +260,7 @@ def place_layers(
     """
     placement = PlacementPlan(group_layers(module, plan), dict(budgets.bytes), budgets.execution_device,
                               budgets.offload_device, cache_bytes=cache_bytes, activation_bytes=activation_bytes,
-                              context=context, batch_size=batch_size, quantize=quantize)
+                              context=context, batch_size=batch_size, quantize=quantize, disk=disk)
     _check_one_layer_fits(placement)
     try:
         _assign(placement, buffers=2)
@@ -191,31 +271,41 @@ def place_layers(
     return placement
 
 
+_DISK_FIX = "pass disk_offload=True to leave the layers that do not fit in the checkpoint file and read them for " \
+            "each forward"
+
+
 def _check_one_layer_fits(p: PlacementPlan) -> None:
-    """Fail early when the execution device cannot run even the largest layer with its caches."""
+    """Fail early when the execution device cannot run even the largest layer with its caches (on the CPU with the
+    disk tier, a layer is run from its read buffer: only what cannot be offloaded must fit)."""
     fixed = sum(layer.nbytes for layer in p.layers if not layer.movable)
     largest = max((layer for layer in p.layers if layer.movable), key=lambda layer: layer.nbytes, default=None)
-    needed = p.cache_bytes + p.activation_bytes + fixed + (largest.nbytes if largest is not None else 0)
+    from_buffers = p.disk and p.execution_device == HOST
+    streamed = largest.nbytes if largest is not None and not from_buffers else 0
+    needed = p.cache_bytes + p.activation_bytes + fixed + streamed
     available = p.budgets[p.execution_device]
     if needed > available:
-        what = f"its largest layer {largest.name!r} ({format_bytes(largest.nbytes)})" if largest else "its layers"
+        what = f"its largest layer {largest.name!r} ({format_bytes(largest.nbytes)})" if streamed else "its layers"
+        disk = f", or {_DISK_FIX}" if p.execution_device == HOST and not p.disk else ""
         raise MemoryBudgetError(
             f"max_memory[{p.execution_device!r}] = {format_bytes(available)} cannot hold one layer plus its cache: "
             f"{what}, KV cache/mask/RoPE for {p.context or 0} tokens x batch {p.batch_size} "
             f"({format_bytes(p.cache_bytes)}), activations ({format_bytes(p.activation_bytes)})"
             + (f" and tensors that cannot be offloaded ({format_bytes(fixed)})" if fixed else "")
             + f" need {format_bytes(needed)} ({needed} bytes), available {available} bytes. "
-            "Raise the budget, shorten the context, or quantize (e.g. quantize='bnb.nf4').",
+            f"Raise the budget, shorten the context, or quantize (e.g. quantize='bnb.nf4'){disk}.",
             needed=needed, available=available)
 
 
 def _assign(p: PlacementPlan, buffers: int) -> None:
-    """Keep the most weight bytes on the execution device; the rest goes to the CPU.
+    """Keep the most weight bytes on the execution device; the rest goes to the CPU (then, with the disk tier, to
+    the checkpoint file).
 
     The streaming room depends on the largest offloaded layer, so each distinct layer
     size ``s`` is tried as a cap: layers above ``s`` must stay, the others fill what is
     left in module order, and ``buffers x s`` is reserved for streaming. The cap that
-    keeps the most bytes resident wins. Raise when no cap fits the budgets.
+    keeps the most bytes resident wins (the smallest such cap: the smallest buffers).
+    Raise when no cap fits the budgets.
     """
     caps = sorted({0} | {layer.nbytes for layer in p.layers if layer.movable})
     best: tuple[int, int] | None = None  # (resident bytes, cap)
@@ -240,24 +330,35 @@ def _assign(p: PlacementPlan, buffers: int) -> None:
         + f" (weights {format_bytes(sum(layer.nbytes for layer in p.layers))} in all; needed {needed} bytes, "
         f"available {available} bytes). Raise the budgets"
         + (", add 'cpu' to max_memory to offload layers" if p.offload_device is None else "")
+        + (f", {_DISK_FIX}" if not p.disk else "")
         + " or quantize (e.g. quantize='bnb.nf4').", needed=needed, available=available)
 
 
 def _fill(p: PlacementPlan, buffers: int, cap: int) -> int:
-    """Place every layer with offloaded layers capped at ``cap`` bytes; return the bytes over budget."""
-    free = p.budgets[p.execution_device] - p.cache_bytes - p.activation_bytes - buffers * cap
-    stay = {id(layer) for layer in p.layers if not layer.movable or layer.nbytes > cap or p.offload_device is None}
+    """Place every layer with offloaded layers capped at ``cap`` bytes; return the bytes over budget.
+
+    A layer goes to the execution device when it fits, else to the CPU (``offload_device``) when it fits there,
+    else to the disk with the disk tier (else to the CPU, over its budget).
+    """
+    execution, offload = p.execution_device, p.offload_device
+    beyond = [device for device in (offload, DISK if p.disk else None) if device is not None]
+    visits = execution != HOST and bool(beyond)  # layers beyond it are streamed into its memory
+    free = {execution: p.budgets[execution] - p.cache_bytes - p.activation_bytes - (buffers * cap if visits else 0)}
+    if offload is not None:
+        free[offload] = p.budgets[offload]
+    stay = {id(layer) for layer in p.layers if not layer.movable or layer.nbytes > cap or not beyond}
     for layer in p.layers:
         if id(layer) in stay:
-            layer.device = p.execution_device
-            free -= layer.nbytes
+            layer.device = execution
+            free[execution] -= layer.nbytes
     for layer in p.layers:
         if id(layer) in stay:
             continue
-        fits = layer.nbytes <= free
-        layer.device = p.execution_device if fits else p.offload_device
-        free -= layer.nbytes if fits else 0
-    p.stream_buffers = buffers if p.offloaded else 0
+        fits = next((d for d in (execution, offload) if d is not None and layer.nbytes <= free[d]), None)
+        layer.device = fits or (DISK if p.disk else beyond[0])
+        if fits is not None:
+            free[fits] -= layer.nbytes
+    p.stream_buffers = buffers if p.streamed else 0
     p._device_of = {}
     used = p.used_per_device()
     return sum(max(0, used[d] - b) for d, b in p.budgets.items())

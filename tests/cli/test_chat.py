@@ -38,6 +38,15 @@ def test_no_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_
     assert "No tokenizer in" in capsys.readouterr().err and read_recorder.keys == []
 
 
+def test_the_same_replies_with_the_layers_on_disk(run_cli, chat_model_dir):
+    flags = ["chat", chat_model_dir, "--max_new_tokens", "12", "--top_k", "1"]
+    in_memory = run_cli(*flags, stdin=TURNS)
+    streamed = run_cli(*flags, "--max_memory", "cpu=30KiB", "--disk_offload", stdin=TURNS)
+    assert streamed.returncode == 0, streamed.stderr
+    assert _replies(streamed.stdout) == _replies(in_memory.stdout) and len(_replies(streamed.stdout)) == 3
+    assert "on disk" in streamed.stderr
+
+
 def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
     """The file's chat template, rendered and encoded as transformers' apply_chat_template(tokenize=True) does: its
     first <|im_start|> (the file's BOS, not added to plain prompts) kept."""

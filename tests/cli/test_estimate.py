@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -58,3 +59,26 @@ def test_table_and_placement_of_a_checkpoint(run_cli, tmp_path, tiny_config, wri
 def test_errors_are_one_line_and_an_exit_code(run_cli, argv, code, says):
     proc = run_cli("estimate", *argv)
     assert proc.returncode == code and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_disk_offload_shows_the_layers_on_disk_the_bytes_each_token_reads_and_the_seconds(
+        run_cli, tmp_path, tiny_config, write_litgpt_dir):
+    from lightning_lowmem import estimate_memory
+
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_layer=6), torch.bfloat16, tokenizer=False)
+    flags = ["--max_seq_length", "32", "--prompt_length", "8", "--max_memory", "cpu=120KiB", "--disk_offload"]
+    proc = run_cli("estimate", directory, *flags, "--read_bandwidth", "100MiB/s", "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    expected = estimate_memory(directory, max_seq_length=32, prompt_length=8, max_memory={"cpu": "120KiB"},
+                               disk_offload=True, read_bandwidth=100 * 2**20)
+    assert got == json.loads(json.dumps(expected.to_dict()))
+    disk = got["placement"]["disk"]
+    assert disk["layers"] >= 3 and disk["read_bytes_per_forward"] == got["disk_read"] > 0
+    assert got["seconds_per_token"] == pytest.approx(got["disk_read"] / (100 * 2**20))
+    table = run_cli("estimate", directory, *flags)  # the speed measured on the file
+    assert table.returncode == 0, table.stderr
+    assert re.search(r"reading the layers on disk: ~[\d.e-]+ s/token at", table.stdout)
+    assert "read from the checkpoint file for each forward" in table.stdout and "measured" in table.stdout
+    refused = run_cli("estimate", directory, "--disk_offload")
+    assert refused.returncode == 2 and "--disk_offload needs --max_memory" in refused.stderr

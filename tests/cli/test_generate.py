@@ -70,6 +70,25 @@ def test_a_gguf_file_generates_what_generate_gives(tiny_gguf, capsys):
     assert capsys.readouterr().out.strip() == want.texts[0].strip()
 
 
+def test_a_model_over_its_budget_streams_its_layers_from_disk_and_says_so(chat_model_dir, capsys):
+    """``--max_memory cpu=... --disk_offload``: the same tokens as the model in memory; the report names the layers
+    on disk."""
+    flags = ["generate", str(chat_model_dir), "--prompt", PROMPT, "--max_new_tokens", "12", "--top_k", "1"]
+    assert main(flags) == 0
+    expected = capsys.readouterr().out
+    assert main([*flags, "--max_memory", "cpu=110KiB", "--disk_offload"]) == 0
+    out, err = capsys.readouterr()
+    assert out == expected
+    assert re.search(r"placement: .* on disk \(0 layers offloaded, \d on disk\)", err) and "per forward" in err
+
+
+def test_disk_offload_without_budgets_or_with_a_device_is_a_bad_argument(chat_model_dir, capsys):
+    assert main(["generate", str(chat_model_dir), "--prompt", "t1", "--disk_offload"]) == 2
+    assert "--disk_offload needs --max_memory" in capsys.readouterr().err
+    assert main(["generate", str(chat_model_dir), "--prompt", "t1", "--device", "cpu", "--max_memory", "cpu=1GiB"]) == 2
+    assert "--device or --max_memory, not both" in capsys.readouterr().err
+
+
 def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
     """``--prompt`` and ``--sys_prompt`` through the file's chat template; the ids are transformers'
     apply_chat_template(tokenize=True) ids, and the text printed is the decoded prompt and reply."""

@@ -198,3 +198,12 @@ def test_callback_options_equal_keywords(tmp_path, litgpt_model, write_checkpoin
     assert ours.options == theirs.options
     assert ours.report.quantized == theirs.report.quantized and len(ours.report.quantized) == 5
     torch.testing.assert_close(ours_out, theirs_out, rtol=0, atol=0)
+
+
+def test_disk_offload_needs_max_memory_and_a_bool():
+    with pytest.raises(ValueError, match="disk_offload=True needs max_memory"):
+        LoadOptions(disk_offload=True)
+    with pytest.raises(TypeError, match="disk_offload must be True or False"):
+        LoadOptions(max_memory={"cpu": "1GiB"}, disk_offload="yes")
+    options = LoadOptions.merge(LoadOptions(max_memory={"cpu": "1GiB"}), disk_offload=True)
+    assert options.disk_offload and LoadOptions.merge(options, disk_offload=None).disk_offload

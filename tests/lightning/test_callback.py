@@ -230,3 +230,25 @@ def test_model_parallel_trainer_loads_each_ranks_shard(run_ranks, shard_config, 
         assert got["rope"] == "torch.float32"  # as litgpt builds them, not as bf16-true converted them
         assert got["bytes_read"] < 0.51 * total  # its own rows: half the file (the vocabulary splits 51 + 50)
     assert sum(r.values["bytes_read"] for r in ranks) == total
+
+
+def test_predict_and_validate_with_layers_on_disk_equal_the_model_in_memory_and_fit_is_refused(
+        tmp_path, tiny_config, tiny_gpt, write_checkpoint, lit_module, eager_gpt):
+    reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
+    path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
+    nbytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    lit = lit_module(reference.config)
+    callback = LowMemCallback(path, max_memory={"cpu": nbytes // 4}, disk_offload=True)
+    trainer = _trainer(callback)
+    out = trainer.predict(lit, _data())
+    assert callback.report.placement.on_disk and callback.report.disk is not None
+    batch = next(iter(_data()))
+    torch.testing.assert_close(out[0], reference(batch), rtol=0, atol=0)
+    val = trainer.validate(lit, _data())[0]["val_loss"]  # the same model, its layers on disk read again
+    logits = reference(batch[:, :-1])
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    assert val == pytest.approx(expected.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="trainer.fit cannot train through them"):
+        _trainer(LowMemCallback(path, max_memory={"cpu": nbytes // 4}, disk_offload=True),
+                 max_steps=1).fit(lit_module(reference.config), _data())
+    callback.report.disk.close()

@@ -480,6 +480,36 @@ def test_fabric_save_on_a_full_disk_is_a_save_error_and_the_old_file_stays(mount
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "saved.ckpt"]
 
 
+def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_path, tiny_config, tiny_gpt,
+                                                                           write_checkpoint):
+    from litgpt import GPT
+
+    reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
+    path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
+    nbytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    fabric = _fabric("instance", "32-true", max_memory={"cpu": nbytes // 4}, disk_offload=True)
+    with fabric.init_module():
+        model = GPT(reference.config)
+    fabric.load_raw(path, model)
+    model = fabric.setup(model)  # moving the model leaves the layers on disk alone
+    report = fabric.strategy.reports[-1]
+    assert report.placement.on_disk and report.disk is not None
+    x = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), reference(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="Training through them is not supported"):
+        fabric.setup_optimizers(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))
+    report.disk.close()
+
+    fabric_file = write_checkpoint(reference.state_dict(), "fabric", tmp_path / "fabric")  # {"model": ..., "step": 3}
+    with fabric.init_module():
+        model = GPT(reference.config)
+    assert fabric.load(fabric_file, {"model": model}) == {"step": 3}
+    with torch.no_grad():  # the file fabric.load opened stays open for the layers on disk
+        torch.testing.assert_close(model.eval()(x), reference(x), rtol=0, atol=0)
+    fabric.strategy.reports[-1].disk.close()
+
+
 _NESTED_LOAD = """
 import json, os, sys, threading, time
 import lightning as L, psutil, torch

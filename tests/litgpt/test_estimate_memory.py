@@ -225,3 +225,30 @@ def test_a_transformers_model_is_estimated_as_its_load_holds_it(tmp_path, write_
     report = load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4")
     rebuilt = sum(b.nbytes for n, b in model.named_buffers() if n not in persistent)  # BERT's position_ids
     assert est.weights == report.bytes_loaded - rebuilt
+
+
+def test_with_layers_on_disk_the_estimate_tells_what_a_generation_reads_and_holds(tmp_path, tiny_config,
+                                                                                  write_litgpt_dir):
+    """The layers on disk, the bytes each token reads and the read buffers, before any read: what the disk tier of the
+    same load then reads and allocates; the read speed is given, or measured on the file."""
+    from lightning_lowmem import generate
+
+    directory = write_litgpt_dir(tmp_path / "eight", tiny_config(n_layer=8, n_embd=64), torch.bfloat16)
+    budget = {"cpu": "150KiB"}
+    full = estimate_memory(directory, max_seq_length=22, prompt_length=6)
+    est = estimate_memory(directory, max_seq_length=22, prompt_length=6, max_memory=budget, disk_offload=True,
+                          read_bandwidth=2**30)
+    assert est.disk_weights > 0 and est.weights + est.disk_weights == full.weights
+    assert est.seconds_per_token == pytest.approx(est.disk_read / 2**30) and "s/token" in str(est)
+    assert est.generate_peak == full.generate_peak - est.disk_weights + est.disk_buffers
+    result = generate(directory, [5, 17, 3, 99, 42, 8], max_new_tokens=16, temperature=0.0, max_memory=budget,
+                      disk_offload=True)
+    tier, placement = result.load_report.disk, result.load_report.placement
+    assert placement.weights_per_device() == est.placement.weights_per_device()
+    assert tier.read_nbytes == est.disk_read == tier.stats.bytes_read // tier.stats.reads * len(tier.units)
+    assert result.load_report.bytes_loaded == est.weights
+    tensors = sum(len(unit.targets) for unit in tier.units.values())
+    assert est.disk_buffers <= tier.buffer_bytes <= est.disk_buffers + 2 * 64 * tensors  # up to 64-byte alignment
+    measured = estimate_memory(directory, max_seq_length=22, max_memory=budget, disk_offload=True)
+    assert measured.read_bandwidth > 0 and any("measured" in note for note in measured.notes)
+    assert estimate_memory(directory, max_seq_length=22, max_memory={"cpu": "1GiB"}, disk_offload=True).disk_read == 0

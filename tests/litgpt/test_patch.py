@@ -141,3 +141,19 @@ def test_set_kv_cache_keeps_the_rope_dtype_litgpt_gave_it(tiny_config, tiny_gpt,
     expected = litgpt_cli_stdout("chat", chat_model_dir, stdin=turns, max_new_tokens=12, top_k=1)
     with patch_litgpt():
         assert litgpt_cli_stdout("chat", chat_model_dir, stdin=turns, max_new_tokens=12, top_k=1) == expected
+
+
+def test_llm_load_with_layers_left_on_disk(tmp_path, tiny_config, write_litgpt_dir):
+    """``patch_litgpt(options=...)``: litgpt's own LLM, its layers beyond the budget read from lit_model.pth."""
+    from litgpt.api import LLM
+
+    from lightning_lowmem import LoadOptions
+
+    directory = write_litgpt_dir(tmp_path / "six", tiny_config("gqa", n_layer=6), torch.bfloat16)
+    expected = LLM.load(str(directory)).generate(PROMPT, max_new_tokens=8, top_k=1, return_as_token_ids=True)
+    with patch_litgpt(options=LoadOptions(max_memory={"cpu": "40KiB"}, disk_offload=True)):
+        llm = LLM.load(str(directory))
+        units = [m for m in llm.model.modules() if "_lowmem_on_disk" in m.__dict__]
+        got = llm.generate(PROMPT, max_new_tokens=8, top_k=1, return_as_token_ids=True)
+    assert len(units) >= 4
+    assert torch.equal(got, expected)

@@ -158,3 +158,42 @@ def test_plan_from_checkpoint_headers_equals_plan_from_the_module(tmp_path, tiny
     from_module = placement_plan(model, None, budget, context=16)
     assert [(x.name, x.nbytes, x.device) for x in from_file.layers] == \
         [(x.name, x.nbytes, x.device) for x in from_module.layers]
+
+
+def test_a_model_too_big_for_its_budget_is_refused_naming_disk_offload_which_leaves_the_rest_on_disk(model_6):
+    total = model_bytes(model_6)
+    with pytest.raises(MemoryBudgetError, match=r"disk_offload=True"):
+        placement_plan(model_6, None, {"cpu": total // 5})
+    with pytest.raises(MemoryBudgetError, match=r"disk_offload=True"):  # smaller than one layer
+        placement_plan(model_6, None, {"cpu": 4096})
+
+    plan = placement_plan(model_6, None, {"cpu": total // 5}, disk_offload=True)
+    weights = plan.weights_per_device()
+    assert weights["cpu"] + weights["disk"] == total and plan.used_per_device()["cpu"] <= total // 5
+    assert len(plan.on_disk) >= 4 and {layer.device for layer in plan.layers} == {"cpu", "disk"}
+    assert plan.disk_read_bytes == sum(layer.read_nbytes for layer in plan.on_disk) == weights["disk"]
+    assert plan.disk_buffer_bytes == 2 * max(layer.nbytes for layer in plan.on_disk)
+    assert plan.stream_bytes == 0  # on the CPU a layer runs from its read buffer: nothing else is reserved
+    assert plan.seconds_per_token() is None and plan.seconds_per_token(plan.disk_read_bytes / 2) == 2.0
+    assert plan.device_of(plan.on_disk[0].tensors[0]) == torch.device("cpu")
+    assert plan.to_dict()["disk"]["read_bytes_per_forward"] == plan.disk_read_bytes
+    assert "read from the checkpoint file for each forward" in str(plan) and " disk" in str(plan)
+
+    roomy = placement_plan(model_6, None, {"cpu": "1GiB"}, disk_offload=True)
+    assert not roomy.on_disk and roomy.disk_buffer_bytes == 0 and roomy.seconds_per_token() == 0.0
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(budget=st.integers(1_000, 400_000), context=st.integers(1, 64), cpu=st.integers(0, 400_000))
+def test_with_the_disk_tier_every_budget_holds_and_the_device_has_room_for_what_visits_it(model_6, budget: int,
+                                                                                       context: int, cpu: int):
+    try:
+        plan = placement_plan(model_6, None, {"cuda:0": budget, "cpu": cpu}, context=context, disk_offload=True)
+    except MemoryBudgetError as e:  # only when the device cannot run its largest layer
+        assert "cannot hold one layer" in str(e) and e.needed > e.available
+        return
+    used = plan.used_per_device()
+    assert used["cuda:0"] <= budget and used["cpu"] <= cpu
+    visiting = [layer.nbytes for layer in plan.layers if layer.device != "cuda:0"]
+    assert plan.stream_bytes >= max(visiting, default=0)  # CPU and disk layers both visit the device
+    assert sum(plan.weights_per_device().values()) == model_bytes(model_6)

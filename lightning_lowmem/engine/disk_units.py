@@ -1,0 +1,180 @@
+"""The modules the disk tier reads for each forward (``disk_tier.py``): what each holds between forwards, where its
+tensors go in a read buffer, and how they are put in and taken out.
+
+::
+
+    check_streamable(plan, placement)   before any read: nothing on disk would be quantized for every forward
+    DiskUnit.of(root, name, targets)    a module on disk: its targets, their routes, their slots in a buffer
+        .place(root)                    placeholders in (one element each, expanded: no memory), remembered
+        .install(root, tensors, device) its tensors pointed at what was read (a weight stored quantized: its layout)
+        .release()                      the placeholders back, and every attribute the install changed
+        .unplace(root, advice)          back on meta, for good (the tier was closed)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.engine.layer_buffers import Slot, lay_out
+from lightning_lowmem.engine.reader import Payload
+from lightning_lowmem.engine.route import Route, Traits
+from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
+from lightning_lowmem.meta import assign, check_meta_at_first_forward, owner_of
+from lightning_lowmem.placement import PlacementPlan
+from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.quantize.layouts import layout_of
+
+ON_DISK = "_lowmem_on_disk"
+"""Set on each module whose tensors stream from the checkpoint file (to the file's description): a save refuses it."""
+
+_ABSENT = object()
+
+
+def check_streamable(plan: LoadPlan, placement: PlacementPlan, files: str) -> None:
+    """Refuse, before any read, a disk tier that would quantize weights for every forward, or hold DTensor shards.
+
+    Quantizing as read costs about as much as the read itself for each weight (bitsandbytes nf4 on a CPU: far
+    more), for every token: a file quantized once and streamed reads 4x fewer bytes (nf4) and quantizes nothing.
+
+    Raises:
+        UnsupportedQuantizationError: weights on disk would be quantized as read (``quantize=`` on a full-precision
+            file): quantize once and stream the quantized copy instead.
+        ValueError: a target on disk is a DTensor shard.
+    """
+    on_disk = [t for t in plan.targets if placement.is_on_disk(t.names[0])]
+    if any(t.shard is not None for t in on_disk):
+        raise ValueError("disk_offload=True cannot hold DTensor shards (a model sharded across ranks): give each rank "
+                         "budgets that hold its shards, or load without disk_offload.")
+    quantized = [t for t in on_disk if t.scheme is not None and t.stored is None]
+    if quantized:
+        scheme = quantized[0].scheme.name
+        raise UnsupportedQuantizationError(
+            f"disk_offload=True reads {len(placement.on_disk)} layers from {files} for every forward, and "
+            f"{len(quantized)} of their weights ({format_names([t.names[0] for t in quantized], 3)}) would be "
+            f"quantized to {scheme} as they are read, again for each token. Quantize once, then stream the quantized "
+            f"copy: `lightning-lowmem quantize <checkpoint> --quantize {scheme} --out <dir>` (or load with quantize= "
+            "and save_checkpoint), and load <dir> with disk_offload=True. Or drop quantize=, or raise max_memory so "
+            "that the quantized layers stay in memory. Nothing was read.")
+
+
+def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` and ``dtype`` that holds one element (zero), expanded: it takes no memory.
+
+    Example::
+
+        >>> t = placeholder((4096, 4096), torch.bfloat16)
+        >>> t.shape, t.untyped_storage().nbytes()
+        (torch.Size([4096, 4096]), 2)
+    """
+    return torch.zeros((), dtype=dtype).expand(shape)
+
+
+@dataclass
+class DiskUnit:
+    """One module read from disk: its targets, their routes, where each of its tensors lies in a read buffer.
+
+    Attributes:
+        name: the module's name in the model.
+        module: the module.
+        targets: the plan's targets of its tensors.
+        routes: how each is read (the load's decision, ``routes.py``).
+        slots: where each target's tensors go in a buffer (a weight stored quantized: one slot per part).
+        nbytes: the bytes its slots span.
+        modules: the modules its install touches: its own, and the owners of names it ties elsewhere.
+    """
+
+    name: str
+    module: nn.Module
+    targets: list[Target]
+    routes: list[Route]
+    slots: list[list[Slot]]
+    nbytes: int
+    modules: list[nn.Module] = field(default_factory=list)
+    _homes: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _changed: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, root: nn.Module, name: str, targets: list[Target], traits: Traits) -> DiskUnit:
+        """The module ``name`` of ``root`` and its ``targets``, each routed with the load's ``traits``."""
+        specs = [_specs(target) for target in targets]
+        layout, nbytes = lay_out(spec for target_specs in specs for spec in target_specs)
+        slots, at = [], 0
+        for target_specs in specs:
+            slots.append(layout[at:at + len(target_specs)])
+            at += len(target_specs)
+        return cls(name, root.get_submodule(name), targets, [route_of(t, traits) for t in targets], slots, nbytes)
+
+    @property
+    def read_nbytes(self) -> int:
+        """Bytes read from the checkpoint for one forward of the module."""
+        return sum(route.read_nbytes for route in self.routes)
+
+    def place(self, root: nn.Module) -> None:
+        """Placeholders for its tensors (frozen: they are read, never trained), remembered for :meth:`release`.
+
+        Only these entries are put back after each forward: what else its modules gain meanwhile (a KV cache
+        module, set up after the load) stays.
+        """
+        for target in self.targets:
+            assign(root, target.names, placeholder(*_home_spec(target)), target.is_parameter)
+            for name in target.names:
+                owner, leaf = owner_of(root, name)
+                table = owner._parameters if target.is_parameter else owner._buffers
+                home = table[leaf]
+                if target.is_parameter:
+                    home.requires_grad_(False)
+                self._homes.append((table, leaf, home, home.data))
+        inside = {id(m): m for m in self.module.modules()}
+        outside = {id(m): m for t in self.targets for n in t.names for m in [owner_of(root, n)[0]]
+                   if id(m) not in inside}
+        self.modules = [*inside.values(), *outside.values()]
+
+    def install(self, root: nn.Module, tensors: list[Payload], device: torch.device) -> None:
+        """Point its tensors at ``tensors`` (one per target, as read); note every attribute that changes (a
+        bitsandbytes quant state) to undo it in :meth:`release`."""
+        before = [(m, dict(m.__dict__)) for m in self.modules]
+        for target, tensor in zip(self.targets, tensors):
+            if isinstance(tensor, dict):  # a weight stored quantized: its parts, by checkpoint key
+                owner = root.get_submodule(target.names[0].rpartition(".")[0])
+                roles = {role: tensor[rec.key] for role, rec in target.stored.roles.items()}
+                layout_of(target.scheme).load_stored(owner, target.stored, roles, device)
+            else:
+                assign(root, target.names, tensor, target.is_parameter)
+        self._changed = [(m, key, old.get(key, _ABSENT)) for m, old in before for key, value in m.__dict__.items()
+                         if old.get(key, _ABSENT) is not value]
+
+    def release(self) -> None:
+        """The placeholders back, and every attribute the install changed."""
+        for table, leaf, home, data in self._homes:
+            table[leaf] = home
+            home.data = data  # an install may have pointed the placeholder itself at the data read
+        for module, key, old in self._changed:
+            if old is _ABSENT:
+                module.__dict__.pop(key, None)
+            else:
+                module.__dict__[key] = old
+        self._changed = []
+
+    def unplace(self, root: nn.Module, advice: str) -> None:
+        """Its tensors back on meta for good; its next forward raises a ``MetaTensorError`` saying ``advice``."""
+        for target in self.targets:
+            shape, dtype = _home_spec(target)
+            assign(root, target.names, torch.empty(shape, dtype=dtype, device="meta"), target.is_parameter)
+        check_meta_at_first_forward(self.module, advice)
+
+
+def _specs(target: Target) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors ``target`` is held as while its module runs: its parts for a weight stored quantized, else itself."""
+    if target.stored is not None:
+        return [(tuple(p.shape), p.dtype) for p in target.parts]
+    return [(tuple(target.record.shape), target.dtype)]
+
+
+def _home_spec(target: Target) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype of a target's placeholder: the tensor as the module declares it."""
+    return tuple(target.record.shape), target.dtype
