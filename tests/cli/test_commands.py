@@ -76,8 +76,11 @@ def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) ->
     import signal
     import time
 
+    # A shell's background job (`cmd &` without job control) ignores SIGINT, and a child inherits that: Python then
+    # installs no KeyboardInterrupt handler. The child gets the default disposition back, as in a terminal.
     proc = subprocess.Popen([sys.executable, "-m", "lightning_lowmem", *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     fds = Path(f"/proc/{proc.pid}/fd")
     try:
         deadline = time.monotonic() + 120
