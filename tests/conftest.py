@@ -1255,6 +1255,11 @@ def emit(**values):
 @__import__("atexit").register
 def _close_group():  # gloo's threads abort the process ("terminate called ...") when it exits with the group open
     if dist.is_available() and dist.is_initialized():
+        try:  # every rank here before any closes: a rank closing while a peer still talks to it aborted a run
+            from datetime import timedelta
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        except Exception:
+            pass
         dist.destroy_process_group()
 
 def config(**overrides):
