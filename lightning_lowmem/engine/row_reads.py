@@ -24,11 +24,11 @@ import torch
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory.heap import release_free_heap
 from lightning_lowmem.plan import Target
+from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.plan.transform import row_block
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.quantize.rows import rows_per_chunk
 
-Transform = Callable[[str, torch.Tensor], torch.Tensor]
 CAST_PIECE = 1 << 14
 """Elements cast at once on the CPU: fewer than torch's parallel grain (32768), so each cast runs on the calling
 thread and never waits in a parallel region for a descheduled thread. Measured on 2 cores shared with other work

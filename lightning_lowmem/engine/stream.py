@@ -27,7 +27,7 @@ earlier meets the others there instead of leaving them in the collective.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -43,6 +43,7 @@ from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory import collector_paused
 from lightning_lowmem.meta import assign
 from lightning_lowmem.plan import Combine, LoadPlan, Target
+from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.quantize import Quantizer
 from lightning_lowmem.quantize.rows import RowSource
 from lightning_lowmem.quantize.workers import RowWorkers
@@ -52,7 +53,6 @@ READ_AHEAD_FINAL = 512 * 2**20
 becomes the final tensor as it is (no cast, no move, no quantization), so it costs nothing. In a load that
 quantizes, those reads (embeddings, norms, a head kept in full precision) run while weights are quantized."""
 
-Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None, *,
