@@ -129,6 +129,9 @@ class DiskTier:
         self._handles: list[RemovableHandle] = []
         for unit in self.units.values():
             self._hook(unit)
+        self._full_threads: int | None = None  # torch's thread count while a forward leaves a core to the reads
+        if self.device.type == "cpu":
+            self._handles.append(root.register_forward_hook(lambda *_: self._all_cores(), always_call=True))
         self._prefetch(names[0])  # the first layer is read while the model is handed out
 
     @property
@@ -212,13 +215,36 @@ class DiskTier:
             self._wait_copies(fetched)
             self.units[name].install(self.root, fetched.tensors, self.device)
             self._prefetch(self._next.get(name))
+            if self._pending is not None and not self._pending[2].done():
+                self._leave_a_core()
         return hook
 
     def _after(self, name: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self._active.pop(name, None)
             self.units[name].release()
+            if self._pending is None or self._pending[2].done():
+                self._all_cores()
         return hook
+
+    def _leave_a_core(self) -> None:
+        """While a read runs beside a forward on the CPU, compute on one thread fewer than torch's setting.
+
+        The read is a copy (from the page cache, at memory speed) that takes a core as long as it runs; computing
+        beside it on every core makes both wait on each other (pythia-1.4b at 1/5 of its weights on 2 cores:
+        0.32 s per token, and 0.24 with a core left to the read; docs/benchmarks.md). Given back as soon as no
+        read runs (after a module on disk whose successor's read has ended, and after the model's forward)."""
+        if self.device.type != "cpu" or self._full_threads is not None:
+            return
+        threads = torch.get_num_threads()
+        if threads > 1:
+            self._full_threads = threads
+            torch.set_num_threads(threads - 1)
+
+    def _all_cores(self) -> None:
+        if self._full_threads is not None:
+            torch.set_num_threads(self._full_threads)
+            self._full_threads = None
 
     # ---- reads
 

@@ -178,6 +178,41 @@ def test_dropping_the_model_closes_the_file(streamed):
     assert open_descriptors(path) == 0
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_forward_leaves_a_core_to_a_read_running_beside_it_and_gives_it_back(streamed, threads):
+    """While the next layer's read runs, the forward computes on one thread fewer (the read is a copy that takes a
+    core); the caller's setting is back after the forward. The reading thread is held by a gate here, so the
+    read is still running when the first layer on disk computes."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, report, reference, _ = streamed()
+        tier = report.disk
+        first = next(iter(tier.units.values())).module
+        gate, seen = threading.Event(), []
+
+        def during(module: nn.Module, args: tuple) -> None:  # runs after the tier's hook on the same module
+            running = tier._pending is not None and not tier._pending[2].done()
+            seen.append((torch.get_num_threads(), running))
+            gate.set()
+
+        handle = first.register_forward_pre_hook(during)
+        x = torch.randint(0, 100, (1, 7))
+        with torch.no_grad():
+            tier._pool.submit(gate.wait)  # the reading thread is busy until the first layer on disk runs
+            torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
+            assert torch.get_num_threads() == threads
+            handle.remove()
+            model(x)
+        assert seen == [(max(threads - 1, 1), True)]
+        assert torch.get_num_threads() == threads
+        tier.close()
+    finally:
+        torch.set_num_threads(before)
+
+
 class Reversed(nn.Module):
     """Blocks of a ModuleList run last to first: an order the module's own order does not tell."""
 

@@ -243,7 +243,8 @@ def test_predict_and_validate_with_layers_on_disk_equal_the_model_in_memory_and_
     out = trainer.predict(lit, _data())
     assert callback.report.placement.on_disk and callback.report.disk is not None
     batch = next(iter(_data()))
-    torch.testing.assert_close(out[0], reference(batch), rtol=0, atol=0)
+    # float32's tolerance: while a read runs, the layers compute on one thread fewer (another reduction order)
+    torch.testing.assert_close(out[0], reference(batch))
     val = trainer.validate(lit, _data())[0]["val_loss"]  # the same model, its layers on disk read again
     logits = reference(batch[:, :-1])
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
