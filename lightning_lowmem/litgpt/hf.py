@@ -37,6 +37,7 @@ from lightning_lowmem.errors import CheckpointFormatError, CheckpointMismatchErr
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Combine
+from lightning_lowmem.plan.combine import Stack, with_stacks
 from lightning_lowmem.formats import TensorRecord
 
 # convert_hf_checkpoint's choice of copy function, in its order.
@@ -72,6 +73,7 @@ class HFConversion:
     tied: dict[str, str] = field(default_factory=dict)
     _copy: Copy | None = None
     _outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    _stacks: dict[str, Stack] = field(default_factory=dict)
 
     @property
     def function_name(self) -> str:
@@ -85,7 +87,7 @@ class HFConversion:
     @property
     def combine(self) -> Combine:
         """For :func:`~lightning_lowmem.load_checkpoint`'s ``combine``."""
-        return Combine(self.sources, self._convert)
+        return Combine(self.sources, self._convert, self._stacks)
 
     def tie(self, module: nn.Module) -> None:
         """Make the tensors of ``module`` that litgpt fills with one HF tensor one tensor (read and held once)."""
@@ -136,6 +138,9 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
     parts = {key for keys in conversion.sources.values() for key in keys}
     unused = [key for key in records if conversion.renames[key] is None and key not in parts]
     conversion.sources.update(_incomplete(conversion.sources, unused))
+    # the tensors litgpt builds by moving rows (q, k, v stacked; GPT-NeoX's fused qkv reordered head by head): read
+    # a run of rows at a time straight into place, where building them holds the parts and the result together
+    conversion._stacks = dict(with_stacks(Combine(conversion.sources, conversion._convert), records).stacks)
     return conversion
 
 

@@ -1,9 +1,10 @@
 """Module tensors built from several checkpoint tensors, such as separate q, k and v into one qkv.
 
 A combined tensor whose parts are its own blocks of rows (one expert's weight after another in transformers'
-fused MoE experts; q, then k, then v) is a *stack*: :class:`Stack` says where each part starts, so that the
-loader can read each part straight into its rows of the result instead of holding the parts and the result
-together. :func:`with_stacks` finds the stacks of a :class:`Combine` by running its own ``fn`` on row numbers.
+fused MoE experts; q, then k, then v; GPT-NeoX's fused ``query_key_value`` reordered head by head into litgpt's
+q, k, v) is a *stack*: :class:`Stack` says where each part's rows go, so that the loader can read each run of
+rows straight into its place in the result instead of holding the parts and the result together.
+:func:`with_stacks` finds the stacks of a :class:`Combine` by running its own ``fn`` on row numbers.
 """ 
 from __future__ import annotations
 
@@ -44,34 +45,51 @@ class Combine:
     another as blocks of rows (see :func:`with_stacks`); the others are built by ``fn``."""
 
 
+MAX_RUNS = 4096
+"""The most runs of rows a stack is read in; a finer reordering is built by the conversion's ``fn`` instead."""
+
+
 @dataclass(frozen=True)
 class Stack:
-    """A combined tensor made of its parts laid out as blocks of rows: seen as rows of the parts' own trailing
+    """A combined tensor made of its parts' rows laid out as blocks: seen as rows of the parts' own trailing
     shape (``result.view(-1, *tail)``), part ``i`` (in the order of ``Combine.sources``) fills rows
-    ``starts[i]:starts[i] + len(part)``, and the parts together fill every row once.
+    ``starts[i]:starts[i] + len(part)``, and the parts together fill every row once. A part whose rows are
+    reordered (``runs``) fills its rows a run at a time.
 
     Attributes:
-        starts: the first row of each part.
+        starts: the first row of each part (of its first run, when it has ``runs``).
         tail: the shape of one row (every part's shape but its first dimension; ``()`` for 1-D parts).
+        runs: ``(part, its first row, rows, first row in the result)`` for every run of consecutive rows, in part
+            order, when some part is not laid out whole and in order; empty otherwise.
 
     Example::
 
         >>> stack = Stack((0, 4, 2, 6), (8,))  # gates of experts 0, 1 and ups of 0, 1: rows gate0 up0 gate1 up1
         >>> stack.pieces([2, 2, 2, 2], 3, 7)  # (part, its first row, its stop row, where it goes in rows 3:7)
         [(2, 1, 2, 0), (1, 0, 2, 1), (3, 0, 1, 3)]
+        >>> heads = Stack((0,), (8,), runs=((0, 0, 2, 0), (0, 2, 2, 4), (0, 4, 2, 2)))  # rows q0 k0 q1 -> q0 q1 k0
+        >>> heads.pieces([6], 0, 6)
+        [(0, 0, 2, 0), (0, 4, 6, 2), (0, 2, 4, 4)]
     """
 
     starts: tuple[int, ...]
     tail: tuple[int, ...]
+    runs: tuple[tuple[int, int, int, int], ...] = ()
+
+    def runs_of(self, lengths: Sequence[int]) -> tuple[tuple[int, int, int, int], ...]:
+        """Every run ``(part, its first row, rows, first row in the result)``, for parts of ``lengths`` rows."""
+        if self.runs:
+            return self.runs
+        return tuple((i, 0, n, first) for i, (first, n) in enumerate(zip(self.starts, lengths, strict=True)))
 
     def pieces(self, lengths: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int, int]]:
-        """``(part index, first row of the part, stop row of the part, row in the window)`` for each part that
+        """``(part index, first row of the part, stop row of the part, row in the window)`` for each run that
         overlaps rows ``start:stop`` of the result, in the order of the result's rows."""
         found = []
-        for i, (first, n) in enumerate(zip(self.starts, lengths, strict=True)):
+        for i, first_in_part, n, first in self.runs_of(lengths):
             lo, hi = max(first, start), min(first + n, stop)
             if lo < hi:
-                found.append((i, lo - first, hi - first, lo - start))
+                found.append((i, first_in_part + lo - first, first_in_part + hi - first, lo - start))
         return sorted(found, key=lambda piece: piece[3])
 
     def fits(self, shapes: Sequence[tuple[int, ...]], result: tuple[int, ...]) -> bool:
@@ -80,13 +98,26 @@ class Stack:
             return False
         if len(result) < len(self.tail) or result[len(result) - len(self.tail):] != self.tail:
             return False
-        spans = sorted(zip(self.starts, (s[0] for s in shapes)))
-        edge = 0
-        for first, n in spans:
-            if first != edge:
-                return False
-            edge += n
-        return edge * math.prod(self.tail) == math.prod(result)
+        lengths = [s[0] for s in shapes]
+        runs = self.runs_of(lengths)
+        if any(not 0 <= i < len(lengths) or n <= 0 for i, _, n, _ in runs):
+            return False
+        if not _tiles([(first, n) for _, _, n, first in runs], sum(lengths)):  # every row of the result once
+            return False
+        if not all(_tiles([(at, n) for j, at, n, _ in runs if j == i], length)  # every row of each part once
+                   for i, length in enumerate(lengths)):
+            return False
+        return sum(lengths) * math.prod(self.tail) == math.prod(result)
+
+
+def _tiles(spans: Sequence[tuple[int, int]], total: int) -> bool:
+    """Whether ``(first, n)`` spans cover rows ``0:total`` once each."""
+    edge = 0
+    for first, n in sorted(spans):
+        if first != edge:
+            return False
+        edge += n
+    return edge == total
 
 
 @dataclass(frozen=True)
@@ -144,7 +175,7 @@ def with_stacks(combine: Combine, records: Mapping[str, TensorRecord]) -> Combin
         >>> records = {k: TensorRecord(k, (4, 8), torch.float32, Path("m.safetensors")) for k in ("q", "k")}
         >>> fused = with_stacks(Combine({"qk": ("q", "k")}, lambda name, got: torch.cat([got["q"], got["k"]])), records)
         >>> fused.stacks["qk"]
-        Stack(starts=(0, 4), tail=(8,))
+        Stack(starts=(0, 4), tail=(8,), runs=())
     """
     stacks = dict(combine.stacks)
     for name, keys in combine.sources.items():
@@ -182,10 +213,14 @@ def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: 
         return None
     where = torch.empty(total, dtype=torch.int64, device="cpu")
     where[rows] = torch.arange(total, device="cpu")
-    starts = []
-    for p, first in zip(parts, firsts, strict=True):
-        start = int(where[first])
-        if not torch.equal(where[first:first + p.shape[0]], torch.arange(start, start + p.shape[0], device="cpu")):
-            return None
-        starts.append(start)
-    return Stack(tuple(starts), tail)
+    starts, runs, whole = [], [], True
+    for i, (p, first) in enumerate(zip(parts, firsts, strict=True)):
+        places = where[first:first + p.shape[0]]
+        breaks = (torch.nonzero(places[1:] != places[:-1] + 1).view(-1) + 1).tolist()
+        for lo, hi in zip([0, *breaks], [*breaks, p.shape[0]]):
+            runs.append((i, lo, hi - lo, int(places[lo])))
+        whole = whole and not breaks
+        starts.append(int(places[0]))
+    if len(runs) > MAX_RUNS:
+        return None
+    return Stack(tuple(starts), tail, () if whole else tuple(runs))

@@ -64,15 +64,26 @@ def test_route_sizes(tmp_path, quant_config, tiny_gpt, meta_gpt, write_checkpoin
     assert qkv.scratch_nbytes == 0 and not qkv.final
 
 
-def test_parts_combined_hold_the_parts(tmp_path, write_hf_dir, meta_gpt):
-    """An HF checkpoint's q, k and v into litgpt's fused qkv: combined from its parts (not a stack: litgpt interleaves
-    them by query group)."""
+def test_parts_reordered_by_rows_are_read_into_place(tmp_path, write_hf_dir, meta_gpt):
+    """An HF checkpoint's q, k and v into litgpt's fused qkv, interleaved by query group: a stack of runs of rows,
+    each read straight into its place (nothing held beside the tensor)."""
     _, config = write_hf_dir(tmp_path, "llama-gqa")
     routes, _ = _routes(meta_gpt(config), tmp_path, LoadOptions())
     qkv = routes["transformer.h.0.attn.qkv.weight"]
-    assert qkv.kind == "combined" and qkv.target.stack is None
-    assert qkv.transient == sum(p.tensor_nbytes for p in qkv.target.parts)
+    assert qkv.kind == "stacked" and qkv.target.stack is not None
+    assert qkv.transient == 0 and qkv.final
     assert qkv.read_nbytes == sum(p.nbytes for p in qkv.target.parts)
+
+
+def test_parts_combined_hold_the_parts(tmp_path, write_hf_dir, meta_gpt):
+    """Phi-3's fused gate_up_proj feeds two litgpt tensors (fc_1 and fc_2): read once, held for both, and each
+    combined from it."""
+    _, config = write_hf_dir(tmp_path, "phi-3")
+    routes, _ = _routes(meta_gpt(config), tmp_path, LoadOptions())
+    fc_1 = routes["transformer.h.0.mlp.fc_1.weight"]
+    assert fc_1.kind == "combined"
+    assert fc_1.transient == sum(p.tensor_nbytes for p in fc_1.target.parts)
+    assert fc_1.read_nbytes == sum(p.nbytes for p in fc_1.target.parts)
 
 
 def test_weights_stored_quantized_are_read_as_stored(hf_prequantized, meta_hf_model):

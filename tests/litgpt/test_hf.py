@@ -150,3 +150,35 @@ def test_a_prequantized_checkpoint_fuses_qkv_from_dequantized_parts(tmp_path, hf
         torch.testing.assert_close(model(IDS).float(), expected, rtol=0.05, atol=0.15)
     tokens = generate(directory, IDS[0], max_new_tokens=5, top_k=1).tokens[0]
     assert tokens.shape == (IDS.shape[1] + 5,)
+
+
+def test_gpt_neox_fused_qkv_is_read_head_by_head_into_place(tmp_path, tiny_config, tiny_gpt, meta_gpt, read_recorder):
+    """GPT-NeoX stores q, k, v interleaved head by head in one ``query_key_value``; litgpt's conversion reorders them
+    (``qkv_reassemble``). Each head's rows are read straight into their place in litgpt's qkv, a run of rows at a
+    time, never the whole fused tensor beside the result; the tensors equal litgpt's conversion bit for bit."""
+    from litgpt.scripts.convert_hf_checkpoint import copy_weights_gpt_neox as to_litgpt
+    from litgpt.scripts.convert_lit_checkpoint import copy_weights_gpt_neox as to_hf
+
+    from lightning_lowmem import load_checkpoint
+
+    config = tiny_config("pythia", n_head=4, n_embd=32)
+    reference = tiny_gpt(config, torch.float32, std=0.3)
+    hf_state: dict[str, torch.Tensor] = {}
+    to_hf(config, hf_state, reference.state_dict())
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, tmp_path / "model.safetensors")
+    expected: dict[str, torch.Tensor] = {}
+    to_litgpt(config, expected, load_file(tmp_path / "model.safetensors"))
+
+    model = meta_gpt(config)
+    report = load_checkpoint(model, tmp_path / "model.safetensors", dtype=torch.float32, progress=False)
+    assert report.conversion.startswith("HF -> litgpt (copy_weights_gpt_neox")
+    ours = model.state_dict()
+    assert expected.keys() == reference.state_dict().keys()
+    for name, tensor in expected.items():
+        assert torch.equal(ours[name], tensor) and torch.equal(ours[name], reference.state_dict()[name]), name
+    head = config.head_size
+    for kind, row in (("weight", head), ("bias", head)):
+        key = f"gpt_neox.layers.0.attention.query_key_value.{kind}"
+        runs = [(start, stop) for k, start, stop in read_recorder.calls if k == key]
+        assert len(runs) == 3 * config.n_head and all(stop - start == row for start, stop in runs), runs
+        assert sorted(runs) == [(i, i + row) for i in range(0, 3 * config.n_embd, row)]  # each row once

@@ -95,3 +95,24 @@ def test_a_stack_must_tile_the_result():
     assert not Stack((0, 3), (8,)).fits([(4, 8), (4, 8)], (8, 8))  # overlapping
     assert not Stack((0, 4), (8,)).fits([(4, 8), (4, 8)], (9, 8))  # a row left unfilled
     assert not Stack((0, 4), (8,)).fits([(4, 8), (4, 4)], (8, 8))  # another row shape
+
+
+def test_rows_reordered_within_a_part_are_found_as_runs_and_must_tile_both_ways():
+    from pathlib import Path
+
+    def reorder(got):  # rows a0 b0 a1 b1 of one part -> a0 a1 b0 b1 (GPT-NeoX's q, k, v by head, in small)
+        x = got["ab"]
+        return torch.cat([x[0:2], x[4:6], x[2:4], x[6:8]])
+
+    records = {"ab": TensorRecord("ab", (8, 3), torch.float32, Path("m.safetensors"))}
+    stack = with_stacks(Combine({"t": ("ab",)}, lambda name, got: reorder(got)), records).stacks["t"]
+    assert stack.runs == ((0, 0, 2, 0), (0, 2, 2, 4), (0, 4, 2, 2), (0, 6, 2, 6))
+    assert stack.fits([(8, 3)], (8, 3)) and not stack.fits([(6, 3)], (6, 3))
+    assert stack.pieces([8], 3, 7) == [(0, 5, 6, 0), (0, 2, 4, 1), (0, 6, 7, 3)]  # rows 3:7 of the result
+    x = torch.arange(24.0).view(8, 3)
+    rebuilt = torch.empty(8, 3)
+    for _, lo, hi, at in stack.pieces([8], 0, 8):
+        rebuilt[at:at + hi - lo] = x[lo:hi]
+    assert torch.equal(rebuilt, reorder({"ab": x}))
+    assert not Stack((0,), (3,), runs=((0, 0, 4, 0), (0, 2, 4, 4))).fits([(8, 3)], (8, 3))  # part rows twice
+    assert not Stack((0,), (3,), runs=((0, 0, 4, 0), (0, 4, 4, 2))).fits([(8, 3)], (8, 3))  # result rows twice
