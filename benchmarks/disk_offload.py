@@ -26,7 +26,8 @@ Columns: seconds per decode token (median over rounds of each run's median, and 
 (``VmHWM``) and peak above the RSS before the load, bytes read per token (what the method reads from the file:
 streamed; and what the process read from the storage, ``/proc/self/io`` ``read_bytes``), and whether the greedy
 tokens equal the in-RAM run of the same library. Under the table: s/token over max(read bound, in-RAM s/token;
-the warm in-RAM run, compute alone, for both tables), and accelerate's s/token over lowmem's.
+the warm in-RAM run, compute alone, for both tables: a full overlap of reading and computing) and over their sum
+(no overlap), and accelerate's s/token over lowmem's.
 
     python benchmarks/disk_offload.py --quick            # pythia-160m, 1 round, 4 tokens: checks the script
     python benchmarks/disk_offload.py                    # pythia-1.4b, 3 rounds, warm and cold
@@ -285,7 +286,8 @@ def table(results: dict, cache: str, weights: int) -> tuple[str, list[str]]:
             bound, compute = streamed / bandwidth, median([r["s_per_token"] for r in ram])
             notes.append(f"- 1/{n}: read bound {bound:.3f} s/token ({streamed / MiB:.0f} MiB at "
                          f"{bandwidth / MiB:.0f} MiB/s), in RAM (warm) {compute:.3f} s/token: lowmem disk / max(bound, "
-                         f"in RAM) = {median(per) / max(bound, compute):.2f}" + _vs_accelerate(results, cache, n, per))
+                         f"in RAM) = {median(per) / max(bound, compute):.2f}, / (bound + in RAM) = "
+                         f"{median(per) / (bound + compute):.2f}" + _vs_accelerate(results, cache, n, per))
     if bandwidth:
         notes.insert(0, f"- read speed of the file ({cache}): {bandwidth / MiB:.0f} MiB/s (median of {len(speed)})")
     header = ["method", "CPU budget", "s/token median (range)", "peak RSS MiB", "peak above pre-load MiB",
