@@ -64,10 +64,11 @@ def test_route_sizes(tmp_path, quant_config, tiny_gpt, meta_gpt, write_checkpoin
     assert qkv.scratch_nbytes == 0 and not qkv.final
 
 
-def test_parts_reordered_by_rows_are_read_into_place(tmp_path, write_hf_dir, meta_gpt):
-    """An HF checkpoint's q, k and v into litgpt's fused qkv, interleaved by query group: a stack of runs of rows,
-    each read straight into its place (nothing held beside the tensor)."""
-    _, config = write_hf_dir(tmp_path, "llama-gqa")
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen2.5", "gemma", "olmo-2"])
+def test_parts_reordered_by_rows_are_read_into_place(tmp_path, write_hf_dir, meta_gpt, family):
+    """An HF checkpoint's q, k and v into litgpt's fused qkv, interleaved by query group:
+    a stack of runs of rows, each read straight into its place (nothing held beside the tensor)."""
+    _, config = write_hf_dir(tmp_path, family)
     routes, _ = _routes(meta_gpt(config), tmp_path, LoadOptions())
     qkv = routes["transformer.h.0.attn.qkv.weight"]
     assert qkv.kind == "stacked" and qkv.target.stack is not None
