@@ -92,3 +92,41 @@ def test_each_rank_reads_exactly_its_rows_into_its_shards(run_ranks, shard_confi
         assert result.values["columns"] and result.values["replicated"] and result.values["whole_read"]
     total = sum(v.nbytes for v in torch.load(reference, weights_only=True).values())
     assert sum(r.values["safetensors"]["bytes_read"] for r in ranks) == total  # together, the file once
+
+
+HF_SHARDED = """
+from litgpt import GPT, Config
+from lightning_lowmem import init_empty, load_checkpoint
+from lightning_lowmem.placement import shard_model
+
+reference = torch.load(args["reference"], weights_only=True)
+with init_empty():
+    model = GPT(Config.from_file(args["config_file"]))
+model = shard_model(model, mesh)
+report = load_checkpoint(model, args["path"], dtype=torch.float32, progress=False)
+mismatched, share = [], 0
+for name, param in model.named_parameters():
+    chunks = torch.chunk(reference[name], world)
+    want = chunks[rank] if rank < len(chunks) else reference[name][:0]
+    share += want.nbytes
+    if not torch.equal(param.to_local(), want):
+        mismatched.append(name)
+emit(mismatched=mismatched, read_whole=sorted(report.read_whole), bytes_read=report.bytes_read, share=share,
+     conversion=report.conversion)
+"""
+
+
+def test_an_hf_checkpoint_into_a_sharded_gpt_reads_each_ranks_rows_of_the_fused_qkv(run_ranks, tmp_path,
+                                                                                     write_hf_dir, litgpt_converted):
+    """q, k and v (HF) into litgpt's qkv, interleaved by query group, sharded by rows across 2 ranks: each rank reads
+    only the runs of q, k and v rows its shard holds, and holds what litgpt's own conversion gives."""
+    _, config = write_hf_dir(tmp_path / "hf", "llama-gqa", tokenizer=False)
+    reference = litgpt_converted(tmp_path / "hf", config, tmp_path / "converted") / "lit_model.pth"
+    ranks = run_ranks(HF_SHARDED, dict(path=str(tmp_path / "hf"), reference=str(reference),
+                                       config_file=str(tmp_path / "hf" / "model_config.yaml")))
+    for result in ranks:
+        assert result.returncode == 0, result.stderr[-3000:]
+        got = result.values
+        assert got["conversion"].startswith("HF -> litgpt")
+        assert got["mismatched"] == [] and got["read_whole"] == [], (result.rank, got)
+        assert got["bytes_read"] == got["share"], result.rank  # only its own rows, q, k and v included
