@@ -322,7 +322,10 @@ def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(t
         return out
 
     monkeypatch.setattr(routes, "read_built", spy)
-    assert torch.equal(forward_logits(streamed), forward_logits(expected))
+    # layer 1's read for the second forward starts during the first, with the spy in place (the read for the first
+    # forward started at load, and may end before or after the spy is set)
+    for _ in range(2):
+        assert torch.equal(forward_logits(streamed), forward_logits(expected))
     assert built and set(built) <= buffers  # built in place in a read buffer, not in memory of its own
     report.disk.close()
 
