@@ -215,7 +215,7 @@ class DiskTier:
             self._wait_copies(fetched)
             self.units[name].install(self.root, fetched.tensors, self.device)
             self._prefetch(self._next.get(name))
-            if self._pending is not None and not self._pending[2].done():
+            if self._reading():
                 self._leave_a_core()
         return hook
 
@@ -223,7 +223,7 @@ class DiskTier:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self._active.pop(name, None)
             self.units[name].release()
-            if self._pending is None or self._pending[2].done():
+            if not self._reading():
                 self._all_cores()
         return hook
 
@@ -232,7 +232,7 @@ class DiskTier:
 
         The read is a copy (from the page cache, at memory speed) that takes a core as long as it runs; computing
         beside it on every core makes both wait on each other (pythia-1.4b at 1/5 of its weights on 2 cores:
-        0.32 s per token, and 0.24 with a core left to the read; docs/benchmarks.md). Given back as soon as no
+        0.32 s per token, and 0.23 with a core left to the read; docs/benchmarks.md). Given back as soon as no
         read runs (after a module on disk whose successor's read has ended, and after the model's forward)."""
         if self.device.type != "cpu" or self._full_threads is not None:
             return
@@ -240,6 +240,10 @@ class DiskTier:
         if threads > 1:
             self._full_threads = threads
             torch.set_num_threads(threads - 1)
+
+    def _reading(self) -> bool:
+        """Whether a read started ahead is still running."""
+        return self._pending is not None and not self._pending[2].done()
 
     def _all_cores(self) -> None:
         if self._full_threads is not None:
