@@ -163,6 +163,7 @@ class DiskTier:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._all_cores()  # a module on disk run on its own (not through the model) may have left a core to a read
         for name in list(self._active):
             self.units[name].release()
         self._active.clear()

@@ -208,7 +208,16 @@ def test_a_forward_leaves_a_core_to_a_read_running_beside_it_and_gives_it_back(s
             model(x)
         assert seen == [(max(threads - 1, 1), True)]
         assert torch.get_num_threads() == threads
+        # a module on disk run on its own, not through the model, while a read runs: close gives the core back
+        held = threading.Event()
+        tier._pool.submit(held.wait)
+        with torch.no_grad():
+            first(torch.randn(1, 7, reference.config.n_embd, dtype=torch.bfloat16),
+                  *[t[None, :7] for t in (model.cos, model.sin)])
+        assert torch.get_num_threads() == max(threads - 1, 1)
+        held.set()
         tier.close()
+        assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
 
