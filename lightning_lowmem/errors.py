@@ -57,6 +57,12 @@ class DeviceUnavailableError(LowMemError, RuntimeError):
     """The device a load targets does not exist on this machine or in this PyTorch build."""
 
 
+class RankLostError(LowMemError, RuntimeError):
+    """A collective between the ranks of a sharded load failed: another rank's process ended (killed for memory,
+    its node lost), the connection to it broke, or the backend timed out. It is a ``RuntimeError`` too, as the
+    backend's own error was; the model is put back as it was and the process group cannot be used again."""
+
+
 class MemoryBudgetError(LowMemError):
     """A memory budget cannot hold what was asked for."""
 
