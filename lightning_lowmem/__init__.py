@@ -34,6 +34,7 @@ from lightning_lowmem.engine import (
 from lightning_lowmem.errors import (
     AmbiguousCheckpointError,
     CheckpointChangedError,
+    CheckpointDiffersError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -103,6 +104,7 @@ __all__ = [
     "CacheBytes",
     "Checkpoint",
     "CheckpointChangedError",
+    "CheckpointDiffersError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",

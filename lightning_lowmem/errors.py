@@ -41,6 +41,11 @@ class AmbiguousCheckpointError(CheckpointError):
     ``model.safetensors`` that differ); nothing is read until one is picked."""
 
 
+class CheckpointDiffersError(CheckpointError):
+    """The ranks of a sharded load read different checkpoints: a file on one rank holds other bytes than the same
+    file on rank 0 (another size, other headers, other data where sampled); raised on every rank before any reads."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A pickle-based checkpoint asks to import or run code; it is never executed."""
 
