@@ -22,6 +22,10 @@ Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``
 import importlib
 from typing import Any
 
+from lightning_lowmem.system import check_supported
+
+check_supported()  # before anything that needs fcntl: Windows gets one clear error, not a missing module
+
 from lightning_lowmem.dtypes import BF16FallbackWarning, assume_bf16_support, supports_bf16
 from lightning_lowmem.engine import (
     LoadOptions,
@@ -49,6 +53,7 @@ from lightning_lowmem.errors import (
     RankLostError,
     SaveError,
     UnsafeCheckpointError,
+    UnsupportedPlatformError,
     UnsupportedQuantizationError,
 )
 from lightning_lowmem.formats import Checkpoint
@@ -134,6 +139,7 @@ __all__ = [
     "SaveError",
     "Timeline",
     "UnsafeCheckpointError",
+    "UnsupportedPlatformError",
     "UnsupportedQuantizationError",
     "assume_bf16_support",
     "cache_bytes",

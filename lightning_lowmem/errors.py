@@ -68,6 +68,11 @@ class RankLostError(LowMemError, RuntimeError):
     backend's own error was; the model is put back as it was and the process group cannot be used again."""
 
 
+class UnsupportedPlatformError(LowMemError, ImportError):
+    """The operating system lacks what the library needs (Windows: positioned reads, ``fcntl``); raised when
+    ``lightning_lowmem`` is imported. It runs on Linux and macOS (on Windows, under WSL2)."""
+
+
 class MemoryBudgetError(LowMemError):
     """A memory budget cannot hold what was asked for."""
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_lowmem.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, CheckpointReadError
+from lightning_lowmem.system import read_at
 
 CHECK_SECONDS = 0.05
 """How often, at least, small reads check that the file did not change (two system calls: 100,000 scalar
@@ -100,7 +101,7 @@ _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.in
 
 def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy
-    between)."""
+    between; where there is none, ``pread`` and a copy: ``system.read_at``)."""
     if out.dtype in _NUMPY_DTYPES:
         buffer = memoryview(out.numpy()).cast("B")
     else:  # bfloat16, float8: numpy has no such dtype; seen as uint8 first
@@ -108,7 +109,7 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
     done = 0
     while done < len(buffer):
         try:
-            n = os.preadv(fd, [buffer[done:]], offset + done)
+            n = read_at(fd, buffer[done:], offset + done)
         except OSError as e:
             raise read_error(path, f"read {len(buffer) - done} bytes at offset {offset + done} of", e) from e
         if n == 0:
