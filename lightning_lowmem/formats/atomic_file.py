@@ -103,7 +103,10 @@ def replace_file(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
                          f"{str(path / 'checkpoint.ckpt')!r}).")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path.parent, path.name)
-    temporary, fd, lock = new_locked_file(path.parent, path.name, _old_mode(path))
+    try:
+        temporary, fd, lock = new_locked_file(path.parent, path.name, _old_mode(path))
+    except OSError as e:  # no inode left, no permission: nothing was made
+        raise _file_failed(e, path) from e
     try:
         with _filled(fd, temporary) as f:
             write(f)
