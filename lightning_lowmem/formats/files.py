@@ -141,7 +141,7 @@ def sample_offsets(start: int, stop: int, blocks: int) -> list[int]:
     Example::
 
         >>> sample_offsets(100, 100 + 10 * 4096, 3)
-        [100, 20580, 41060]
+        [100, 18532, 36964]
     """
     whole = -(-(stop - start) // SAMPLE_BYTES)
     if blocks <= 0:
