@@ -22,6 +22,10 @@ Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``
 import importlib
 from typing import Any
 
+from lightning_lowmem.system import check_supported
+
+check_supported()  # before anything that needs fcntl: Windows gets one clear error, not a missing module
+
 from lightning_lowmem.dtypes import BF16FallbackWarning, assume_bf16_support, supports_bf16
 from lightning_lowmem.engine import (
     LoadOptions,
@@ -34,6 +38,7 @@ from lightning_lowmem.engine import (
 from lightning_lowmem.errors import (
     AmbiguousCheckpointError,
     CheckpointChangedError,
+    CheckpointDiffersError,
     CheckpointError,
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -45,8 +50,10 @@ from lightning_lowmem.errors import (
     LowMemError,
     MemoryBudgetError,
     MetaTensorError,
+    RankLostError,
     SaveError,
     UnsafeCheckpointError,
+    UnsupportedPlatformError,
     UnsupportedQuantizationError,
 )
 from lightning_lowmem.formats import Checkpoint
@@ -102,6 +109,7 @@ __all__ = [
     "CacheBytes",
     "Checkpoint",
     "CheckpointChangedError",
+    "CheckpointDiffersError",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointMismatchError",
@@ -127,9 +135,11 @@ __all__ = [
     "MetaTensorError",
     "Offload",
     "PlacementPlan",
+    "RankLostError",
     "SaveError",
     "Timeline",
     "UnsafeCheckpointError",
+    "UnsupportedPlatformError",
     "UnsupportedQuantizationError",
     "assume_bf16_support",
     "cache_bytes",

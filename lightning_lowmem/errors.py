@@ -41,6 +41,11 @@ class AmbiguousCheckpointError(CheckpointError):
     ``model.safetensors`` that differ); nothing is read until one is picked."""
 
 
+class CheckpointDiffersError(CheckpointError):
+    """The ranks of a sharded load read different checkpoints: a file on one rank holds other bytes than the same
+    file on rank 0 (another size, other headers, other data where sampled); raised on every rank before any reads."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """A pickle-based checkpoint asks to import or run code; it is never executed."""
 
@@ -55,6 +60,17 @@ class UnsupportedQuantizationError(LowMemError, ValueError):
 
 class DeviceUnavailableError(LowMemError, RuntimeError):
     """The device a load targets does not exist on this machine or in this PyTorch build."""
+
+
+class RankLostError(LowMemError, RuntimeError):
+    """A collective between the ranks of a sharded load failed: another rank's process ended (killed for memory,
+    its node lost), the connection to it broke, or the backend timed out. It is a ``RuntimeError`` too, as the
+    backend's own error was; the model is put back as it was and the process group cannot be used again."""
+
+
+class UnsupportedPlatformError(LowMemError, ImportError):
+    """The operating system lacks what the library needs (Windows: positioned reads, ``fcntl``); raised when
+    ``lightning_lowmem`` is imported. It runs on Linux and macOS (on Windows, under WSL2)."""
 
 
 class MemoryBudgetError(LowMemError):

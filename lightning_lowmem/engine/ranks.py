@@ -19,6 +19,11 @@ A collective *inside* a stage (an all-reduce while streaming) must be preceded b
 same one-integer all-reduce, so that a rank that failed before that collective meets the others there
 instead of leaving them in it. After an agreed error, enclosing stages raise it as it is, with no exchange
 of their own (every rank raised it at the same point).
+
+Every collective here runs on the device the process group reduces (``collectives.py``: the CPU under gloo,
+this rank's CUDA device under NCCL). A rank whose process ended inside one (killed for memory) leaves the
+others a :class:`~lightning_lowmem.errors.RankLostError`, raised as it is by every enclosing stage: there is
+no one left to exchange with.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from lightning_lowmem import errors
-from lightning_lowmem.errors import LowMemError
+from lightning_lowmem.engine.collectives import collective, collective_device
+from lightning_lowmem.errors import LowMemError, RankLostError
 
 _ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
 """Built-in errors (bad arguments: Lightning's strict key check raises ``KeyError``) raised as they are on every
@@ -88,8 +94,9 @@ class Agreement:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([int(failed)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([int(failed)], dtype=torch.int32, device=collective_device())
+        with collective(f"agreeing whether any rank failed {self.stage}"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
@@ -126,7 +133,8 @@ def from_first_rank(make: Callable[[], Any], send: Callable[[Any], Any] = lambda
     value = make() if rank() == 0 else None
     check_peers()
     box = [send(value) if rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    with collective(f"sending what rank 0 made to the others {stage.stage}"):
+        dist.broadcast_object_list(box, src=0, device=collective_device())
     return value if rank() == 0 else box[0]
 
 
@@ -158,9 +166,14 @@ def agreement(active: bool, stage: str = "before reading its shard", share: bool
         error = e
     finally:
         _stages.pop()
-    if error is not None and getattr(error, _AGREED, False):
-        raise error  # every rank raised it at the same point: nothing more to exchange
-    _exchange(agreed, error)
+    if error is not None and (getattr(error, _AGREED, False) or isinstance(error, RankLostError)):
+        raise error  # every rank raised it at the same point, or a rank is gone: nothing more to exchange
+    try:
+        _exchange(agreed, error)
+    except RankLostError as lost:
+        if error is not None and not isinstance(error, PeerFailedError):
+            lost.add_note(f"This rank had failed {agreed.stage} too: {type(error).__name__}: {error}")
+        raise
 
 
 def _exchange(agreed: Agreement, error: Exception | None) -> None:
@@ -173,7 +186,8 @@ def _exchange(agreed: Agreement, error: Exception | None) -> None:
     own = None if error is None or isinstance(error, PeerFailedError) else _Outcome(
         rank(), type(error).__name__, str(error), agreed.stage)
     gathered: list[tuple[_Outcome | None, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (own, agreed.share))
+    with collective(f"exchanging each rank's outcome {agreed.stage}"):
+        dist.all_gather_object(gathered, (own, agreed.share))
     agreed.shared = [share for _, share in gathered]
     outcomes = [outcome for outcome, _ in gathered if outcome is not None]
     if outcomes:

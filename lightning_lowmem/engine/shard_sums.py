@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from lightning_lowmem.engine.collectives import collective, collective_device
 from lightning_lowmem.engine.ranks import check_peers
 from lightning_lowmem.plan import Target
 
@@ -45,9 +46,10 @@ class ShardSums:
         param = self.module.get_parameter(target.names[0])  # a quantized weight: a parameter
         mesh = param.device_mesh
         dim = next(i for i, p in enumerate(param.placements) if p.is_shard())
-        local = param._local_tensor
-        total = value.to(torch.float64).reshape(()).to(local.device)  # NCCL reduces device tensors
+        group = mesh.get_group(dim)
+        total = value.to(torch.float64).reshape(()).to(collective_device(group))  # NCCL reduces device tensors
         check_peers()  # a rank that failed earlier is in the stream's agreement, not in this all-reduce
-        dist.all_reduce(total, group=mesh.get_group(dim))
+        with collective(f"summing {target.names[0]!r}'s NF4 block scales across its ranks"):
+            dist.all_reduce(total, group=group)
         self.calls += 1
-        return total
+        return total.to(value.device)

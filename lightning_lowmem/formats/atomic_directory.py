@@ -33,22 +33,25 @@ from pathlib import Path
 
 from lightning_lowmem.errors import SaveError
 from lightning_lowmem.formats.atomic_file import (
-    TEMPORARY_PREFIX,
     block_size,
     copy_new,
     exchange,
     existing_parent,
     free_bytes,
     fsync_directory,
-    leftover_pattern,
-    locked,
-    make_temporary_directory,
-    remove_leftovers,
     rename_new,
     step,
+)
+from lightning_lowmem.formats.temporaries import (
+    TEMPORARY_PREFIX,
+    holding,
+    leftover_pattern,
+    make_locked_directory,
+    remove_leftovers,
     temporary_name,
 )
 from lightning_lowmem.memory.units import format_bytes
+from lightning_lowmem.system import is_mount_point
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +87,7 @@ def switch_directory(target: str | Path, *, sizes: Sequence[int] = (),
         target.parent.mkdir(parents=True, exist_ok=True)
         tidy(target)
         needed = check_switchable(target, sizes)
-        staging = make_temporary_directory(target.parent, target.name)
+        staging, lock = make_locked_directory(target.parent, target.name)
     except SaveError:
         raise
     except OSError as e:
@@ -92,7 +95,7 @@ def switch_directory(target: str | Path, *, sizes: Sequence[int] = (),
     old: Path | None = None
     switched = False
     try:
-        with locked(staging):
+        with holding(lock):
             step("staged")
             yield staging
             _seal(staging)
@@ -141,7 +144,7 @@ def check_switchable(target: Path, sizes: Sequence[int] = ()) -> int:
             f"for this user. A save writes a new directory beside {target.name!r} and renames it in, so "
             f"{target.parent} must be writable. Make it writable, or save elsewhere; nothing was written.",
             path=str(where), errno=errno.EROFS if read_only else errno.EACCES)
-    if target.is_dir() and os.stat(target).st_dev != os.stat(target.parent).st_dev:
+    if target.is_dir() and is_mount_point(target):  # a btrfs subvolume (its own st_dev) is none: it renames
         raise SaveError(
             f"Cannot save into {target}: it is a mount point, which cannot be renamed, and a save switches a new "
             f"directory in by renaming it. Save into a directory inside it (e.g. {target / 'model'}); nothing was "

@@ -17,14 +17,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from lightning_lowmem.errors import CheckpointFormatError, format_names
+from lightning_lowmem.errors import CheckpointDiffersError, CheckpointFormatError, format_names
 from lightning_lowmem.formats.crc_pieces import Unchecked
 from lightning_lowmem.formats.discovery import HEAD_BYTES, kind_of, locate, shards_of_index
-from lightning_lowmem.formats.files import open_regular
+from lightning_lowmem.formats.files import SAMPLE_BYTES, Fingerprint, open_regular
 from lightning_lowmem.formats.gguf_file import GGUFFile
 from lightning_lowmem.formats.records import CheckpointFile, TensorRecord
 from lightning_lowmem.formats.safetensors_file import SafetensorsFile
@@ -79,13 +79,17 @@ def _open_shard(path: Path) -> CheckpointFile:
 Share = Callable[[Callable[[], Any], Callable[[Any], Any]], Any]
 """``share(make, send)``: ``make()`` on the first rank, ``send(its result)`` given to the others (engine/ranks.py)."""
 _SHARE: contextvars.ContextVar[Share | None] = contextvars.ContextVar("lowmem_share_headers", default=None)
+SAMPLE_BLOCKS = 256
+"""Blocks of data (of ``files.SAMPLE_BYTES``) the ranks of a sharded load each read and digest per checkpoint, spread
+over its files by their sizes (at least one a file), to tell apart files with the same headers and other data."""
 
 
 @contextlib.contextmanager
 def headers_shared(share: Share | None) -> Iterator[None]:
     """Within the block, :meth:`Checkpoint.open` parses headers on the first rank only and ``share`` s the parsed
-    readers with the others, which open their own descriptors on the same files (checked to be the same size and
-    modification time). Every rank must open the same paths in the same order. None: each rank parses its own."""
+    readers with the others, which open their own descriptors on the same files; every rank then checks that its
+    files hold what the first rank's hold (:func:`_check_same`: sizes, headers, a sample of the data), whatever their
+    modification times. Every rank must open the same paths in the same order. None: each rank parses its own."""
     token = _SHARE.set(share)
     try:
         yield
@@ -93,31 +97,110 @@ def headers_shared(share: Share | None) -> Iterator[None]:
         _SHARE.reset(token)
 
 
+class _First(NamedTuple):
+    """What the first rank opened, and the fingerprints of its files."""
+
+    files: list[CheckpointFile]
+    prints: list[Fingerprint]
+
+
+class _Sent(NamedTuple):
+    """What the first rank sends: the path it asked for, its readers (None for GGUF: each rank parses its own),
+    its files' paths and fingerprints."""
+
+    asked: str
+    files: list[CheckpointFile] | None
+    paths: list[str]
+    prints: list[Fingerprint]
+
+
 def _shared_open(path: str | Path) -> list[CheckpointFile]:
     """:func:`_open_files`, or, inside :func:`headers_shared`, the first rank's readers when this rank asked for the
-    same path (GGUF files, or another path: this rank's own)."""
+    same path (GGUF files, or another path: this rank's own), checked to hold what the first rank's files hold."""
     share = _SHARE.get()
     if share is None:
         return _open_files(path)
     asked = str(Path(path).expanduser().absolute())
-    got = share(lambda: _open_files(path),
-                lambda opened: None if any(isinstance(f, GGUFFile) for f in opened) else (asked, opened))
-    if isinstance(got, list):
-        return got  # the first rank's own
-    if got is None or got[0] != asked:  # GGUF, or this rank asked for another path: its own headers
-        return _open_files(path)
-    files = got[1]
+
+    def make() -> _First:
+        files = _open_files(path)
+        try:
+            return _First(files, fingerprints(files, [_blocks(f, files) for f in files]))
+        except BaseException:
+            for f in files:
+                f.close()
+            raise
+
+    got = share(make, lambda first: _Sent(asked, None if any(isinstance(f, GGUFFile) for f in first.files)
+                                          else first.files, [str(f.path) for f in first.files], first.prints))
+    if isinstance(got, _First):
+        return got.files  # the first rank's own
+    files = got.files if got.files is not None and got.asked == asked else _open_files(path)
     try:
         for f in files:
             if f.received:
                 f.attach()
                 if len(files) > MAX_OPEN_FILES:
                     f.release()
+        _check_same(files, got)
     except BaseException:
         for f in files:
             f.close()
         raise
     return files
+
+
+def _blocks(file: CheckpointFile, files: list[CheckpointFile]) -> int:
+    """Blocks of ``file``'s data to sample: :data:`SAMPLE_BLOCKS` spread over ``files`` by size, at least one."""
+    total = sum(f.size for f in files) or 1
+    return max(1, SAMPLE_BLOCKS * file.size // total)
+
+
+def fingerprints(files: list[CheckpointFile], blocks: list[int]) -> list[Fingerprint]:
+    """Each file's :class:`~lightning_lowmem.formats.files.Fingerprint`, its data sampled in as many blocks as
+    ``blocks`` says; a file released (many files) is released again after."""
+    prints = []
+    for f, n in zip(files, blocks):
+        was_open = f.is_open
+        try:
+            prints.append(f.fingerprint(n))
+        finally:
+            if not was_open:
+                f.release()
+    return prints
+
+
+def _check_same(files: list[CheckpointFile], first: _Sent) -> None:
+    """Raise :class:`CheckpointDiffersError` unless this rank's ``files`` hold what the first rank's held."""
+    fix = ("Every rank must load the same checkpoint: copy it again onto this node from where rank 0's came from "
+           "(or wait for whatever writes it to finish), then start every rank again.")
+    if len(files) != len(first.prints):
+        raise CheckpointDiffersError(
+            f"The checkpoint stands for {len(files)} files on rank {_rank()} "
+            f"({format_names([str(f.path) for f in files], 3)}) and for {len(first.prints)} on rank 0 "
+            f"({format_names(first.paths, 3)}). {fix}")
+    own = fingerprints(files, [p.blocks for p in first.prints])
+    for f, mine, theirs, their_path in zip(files, own, first.prints, first.paths):
+        if mine != theirs:
+            raise CheckpointDiffersError(
+                f"{f.path} on rank {_rank()} does not hold what {their_path} holds on rank 0: "
+                f"{_difference(mine, theirs)}. "
+                f"{fix}")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _difference(mine: Fingerprint, theirs: Fingerprint) -> str:
+    if mine.size != theirs.size:
+        return f"it holds {mine.size} bytes, rank 0's {theirs.size}"
+    if mine.headers != theirs.headers:
+        return "its headers differ (same size)"
+    return (f"its data differs (same size and headers; {mine.blocks} blocks of {SAMPLE_BYTES} bytes spread over "
+            "it read on both ranks)")
 
 
 class Checkpoint:

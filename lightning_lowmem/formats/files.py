@@ -14,12 +14,18 @@ is thousands of requests to its metadata server.
 A checkpoint of many files (an index of 10,000 shards) holds only a few descriptors at a time: a file
 may be :meth:`~OpenedFile.release` d and is reopened when next read, the reopened file checked to be the
 same one (same identity), so any number of shards loads under the default limit of 1024 descriptors.
+
+Ranks of a sharded load tell their files apart by content, not by modification time (each node's copy of a
+checkpoint has its own): :meth:`~OpenedFile.fingerprint` is the file's size, a digest of its headers (for a
+torch zip file, its central directory, which holds every record's CRC-32, checked against the bytes read)
+and, where the format has no checksum (safetensors, GGUF), a digest of blocks of its data spread evenly over it.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import math
 import mmap
 import os
@@ -32,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from lightning_lowmem.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, CheckpointReadError
+from lightning_lowmem.system import read_at
 
 CHECK_SECONDS = 0.05
 """How often, at least, small reads check that the file did not change (two system calls: 100,000 scalar
@@ -94,7 +101,7 @@ _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.in
 
 def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy
-    between)."""
+    between; where there is none, ``pread`` and a copy: ``system.read_at``)."""
     if out.dtype in _NUMPY_DTYPES:
         buffer = memoryview(out.numpy()).cast("B")
     else:  # bfloat16, float8: numpy has no such dtype; seen as uint8 first
@@ -102,7 +109,7 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
     done = 0
     while done < len(buffer):
         try:
-            n = os.preadv(fd, [buffer[done:]], offset + done)
+            n = read_at(fd, buffer[done:], offset + done)
         except OSError as e:
             raise read_error(path, f"read {len(buffer) - done} bytes at offset {offset + done} of", e) from e
         if n == 0:
@@ -111,6 +118,38 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
                 "The file is truncated: download or save it again."
             )
         done += n
+
+
+SAMPLE_BYTES = 4096
+"""Bytes of each block of data a fingerprint digests."""
+
+
+class Fingerprint(NamedTuple):
+    """What a file holds, told apart by its bytes: its size, a digest of its headers, and a digest of ``blocks``
+    blocks of :data:`SAMPLE_BYTES` spread evenly over its data (0 where the headers hold the data's checksums)."""
+
+    size: int
+    headers: str
+    sample: str
+    blocks: int
+
+
+def sample_offsets(start: int, stop: int, blocks: int) -> list[int]:
+    """Where ``blocks`` blocks of :data:`SAMPLE_BYTES` start, spread evenly over bytes ``start:stop`` (the first
+    block at ``start``, the last ending at ``stop``), or every block of a span that holds no more.
+
+    Example::
+
+        >>> sample_offsets(100, 100 + 10 * 4096, 3)
+        [100, 18532, 36964]
+    """
+    whole = -(-(stop - start) // SAMPLE_BYTES)
+    if blocks <= 0:
+        return []
+    if whole <= blocks:
+        return [start + i * SAMPLE_BYTES for i in range(whole)]
+    last = stop - SAMPLE_BYTES
+    return [start + (last - start) * i // (blocks - 1) for i in range(blocks)] if blocks > 1 else [start]
 
 
 class _Identity(NamedTuple):
@@ -160,17 +199,32 @@ class OpenedFile:
         return self.__dict__.get("_received", False)
 
     def attach(self) -> None:
-        """Open this rank's own descriptor on a reader received from another rank, and check it is the file that
-        rank parsed: its size and modification time (device and inode differ between machines)."""
+        """Open this rank's own descriptor on a reader received from another rank. Whether it is the file that rank
+        parsed is told by :meth:`fingerprint` (by content: each node's copy has its own modification time)."""
         fd = open_regular(self.path)
-        now = os.fstat(fd)
-        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
-            os.close(fd)
-            raise CheckpointFormatError(
-                f"{self.path} on this rank is not the file rank 0 read (size {self._stat.st_size} -> {now.st_size} "
-                "bytes, or modified at another time). Every rank must load the same file: copy it again, or wait "
-                "for whatever writes it to finish.")
-        self._descriptor, self._stat, self._received = fd, _identity(now), False
+        self._descriptor, self._stat, self._received = fd, _identity(os.fstat(fd)), False
+
+    def header_spans(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the bytes the reader parsed its headers from (each format says)."""
+        return []
+
+    def data_span(self) -> tuple[int, int] | None:
+        """``(start, stop)`` of the tensors' data when the format keeps no checksum of it, else None."""
+        return None
+
+    def fingerprint(self, blocks: int) -> Fingerprint:
+        """This file's :class:`Fingerprint`, its data sampled in ``blocks`` blocks (read now, through the
+        descriptor)."""
+        headers = hashlib.blake2b(digest_size=16)
+        for offset, length in self.header_spans():
+            for at in range(offset, offset + length, CHECK_BYTES):  # a large header (a zip's directory) in 1 MiB reads
+                headers.update(self.pread(min(CHECK_BYTES, offset + length - at), at))
+        span = self.data_span()
+        offsets = sample_offsets(*span, blocks) if span is not None else []
+        sample = hashlib.blake2b(digest_size=16)
+        for offset in offsets:
+            sample.update(self.pread(min(SAMPLE_BYTES, span[1] - offset), offset))
+        return Fingerprint(self.size, headers.hexdigest(), sample.hexdigest() if offsets else "", len(offsets))
 
     @property
     def _fd(self) -> int:

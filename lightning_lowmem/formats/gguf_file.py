@@ -98,6 +98,14 @@ class GGUFFile(OpenedFile):
                 "(pip install -U gguf), or use a file quantized to another type (Q8_0, Q4_K, ...).") from e
         return TensorRecord(info.name, shape, torch.float32, self.path, info.type_name, info.nbytes)
 
+    def header_spans(self) -> list[tuple[int, int]]:
+        """Everything before the tensors' data: the header, its metadata and the tensor infos."""
+        return [(0, self.layout.data_start)]
+
+    def data_span(self) -> tuple[int, int]:
+        """The tensors' bytes: GGUF keeps no checksum of them."""
+        return self.layout.data_start, self.size
+
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 

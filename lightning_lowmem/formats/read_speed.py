@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_lowmem.system import read_at
+
 CHUNK = 16 * 2**20
 """Bytes of each read: as large as a layer's tensors, so the figure is a streaming speed, not a seek rate."""
 
@@ -106,7 +108,7 @@ def _read_with(flags: int, path: Path, spans: list[tuple[int, int]], buffer: mma
         done = 0
         for offset, length in spans:
             with memoryview(buffer) as whole, whole[:-(-length // mmap.PAGESIZE) * mmap.PAGESIZE] as view:
-                done += max(0, min(os.preadv(fd, [view], offset), length))
+                done += max(0, min(read_at(fd, view, offset), length))
         return done
     finally:
         os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import torch
@@ -31,6 +32,15 @@ class SafetensorsFile(OpenedFile):
     def __init__(self, path: Path, fd: int) -> None:
         super().__init__(path, fd)
         self._records, self._offsets, self._metadata = read_header(self)
+
+    def header_spans(self) -> list[tuple[int, int]]:
+        """The size field and the JSON header."""
+        (size,) = struct.unpack("<Q", self.pread(8, 0))
+        return [(0, 8 + size)]
+
+    def data_span(self) -> tuple[int, int]:
+        """The tensors' bytes: safetensors keeps no checksum of them."""
+        return self.header_spans()[0][1], self.size
 
     def records(self) -> dict[str, TensorRecord]:
         return self._records

@@ -232,6 +232,11 @@ class TorchZipFile(OpenedFile):
 
     # ------------------------------------------------------------ data
 
+    def header_spans(self) -> list[tuple[int, int]]:
+        """The central directory and its end records: every record's name, place, size and CRC-32 (which the
+        bytes read are checked against: the data needs no sample)."""
+        return [(self._zip.directory_start, self.size - self._zip.directory_start)]
+
     def records(self) -> dict[str, TensorRecord]:
         return self._records
 

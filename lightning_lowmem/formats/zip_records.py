@@ -32,13 +32,16 @@ class ZipRecords:
 
     Attributes:
         directory: record name -> its central-directory entry.
+        directory_start: where the central directory starts (it and the end records run to the file's end).
     """
 
     def __init__(self, file: OpenedFile) -> None:
         self._file = file
         with open(file._fd, "rb", closefd=False) as f:  # the same descriptor: no second open of the file
             try:
-                self.directory: dict[str, zipfile.ZipInfo] = zipfile.ZipFile(f).NameToInfo
+                archive = zipfile.ZipFile(f)
+                self.directory: dict[str, zipfile.ZipInfo] = archive.NameToInfo
+                self.directory_start: int = archive.start_dir  # the central directory, then its end records
             except Exception as e:  # BadZipFile, but also ValueError, NotImplementedError, ... on damaged files
                 raise CheckpointFormatError(f"{file.path} is a damaged zip archive ({e}); it is most likely "
                                             "truncated. Download or save it again.") from e

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -47,11 +49,11 @@ def test_a_checkpoint_mismatch_raises_the_same_error_on_every_rank_without_hangi
         assert result.values["done"]
         both, one = result.values["both"], result.values["one"]
         assert both["error"] == "CheckpointMismatchError" and "mlp.fc.weight" in both["message"]
-        assert one["error"] == "CheckpointMismatchError"  # rank 0's own plan held, rank 1's did not
+        assert one["error"] == "CheckpointDiffersError"  # rank 1's file is not rank 0's: refused before any plan
         assert both["on_meta"] and one["on_meta"]
         assert result.values["reads_both"] == result.values["reads_one"] == 0  # nothing read, anywhere
     assert "Rank 1 of 2 failed before reading" in ranks[0].values["one"]["message"]
-    assert "mlp.fc.weight" in ranks[0].values["one"]["message"]
+    assert "does not hold what" in ranks[0].values["one"]["message"]
 
 
 def test_without_a_process_group_the_block_runs_as_it_is():
@@ -221,3 +223,91 @@ def test_headers_are_parsed_on_the_first_rank_only_and_paths_looked_up_per_file(
             assert got["sum"] == pytest.approx(fc[rank].double().sum().item(), rel=1e-12)
             # finding the path (exists, is_dir, ...) and once after the last read: per file, not per tensor
             assert all(got["lookups"].count(f) <= 6 < len(state) for f in files), got["lookups"]
+
+
+
+COPIES = """
+import ctypes, subprocess
+from litgpt import GPT
+from lightning_lowmem import CheckpointError, init_empty, load_checkpoint
+from lightning_lowmem.placement import shard_model
+
+if args["mounts"]:  # this rank's own node: its copy mounted at the path every rank loads, seen by this process only
+    assert ctypes.CDLL(None, use_errno=True).unshare(0x00020000) == 0  # CLONE_NEWNS
+    subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+    for source, target in args["mounts"]:
+        subprocess.run(["mount", "--bind", source.format(rank=rank), target], check=True)
+dist.init_process_group("gloo")
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cpu", (world,))
+for name, path in args["cases"]:
+    with init_empty():
+        model = shard_model(GPT(config()), mesh)
+    try:
+        load_checkpoint(model, path.format(rank=rank), progress=False)
+        emit(**{name: dict(error=None, sum=model.transformer.h[1].mlp.fc.weight.to_local().double().sum().item())})
+    except Exception as e:
+        emit(**{name: dict(error=type(e).__name__, message=str(e), ours=isinstance(e, CheckpointError),
+                           on_meta=all(p.is_meta for p in model.parameters()))})
+    dist.barrier()
+"""
+
+_KINDS = ("safetensors", "pth", "sharded-safetensors")
+
+
+def _node_copies(state: dict, other: dict, kind: str, root, write_checkpoint) -> list[tuple[str, str, str]]:
+    """Per-node directories of one checkpoint: ``copies`` (rank 0 and 1 hold the same bytes, modified at other times)
+    and ``mixed`` (rank 1 holds a file of the same size and time, other bytes: the same model trained further).
+    Returns ``(case, directory template with {rank}, file name)``."""
+    import shutil
+
+    first = write_checkpoint(state, kind, root / "first")
+    second = write_checkpoint(other, kind, root / "second")
+    for f, g in zip(sorted(first.parent.iterdir()), sorted(second.parent.iterdir())):
+        if f.suffix != ".json":
+            assert f.stat().st_size == g.stat().st_size
+    for rank, (copy, mixed) in enumerate([(first, first), (first, second)]):
+        shutil.copytree(copy.parent, root / f"copies{rank}")
+        shutil.copytree(mixed.parent, root / f"mixed{rank}")
+        for f in (root / f"copies{rank}").iterdir():
+            os.utime(f, ns=(0, 10**18 + rank * 10**12))  # each node's own download: another modification time
+        for f in (root / f"mixed{rank}").iterdir():
+            os.utime(f, ns=(0, 10**18))  # the same size and time
+    return [(case, str(root / (case + "{rank}")), first.name) for case in ("copies", "mixed")]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_bytes_not_times(run_ranks, shard_config, tiny_gpt, write_checkpoint, tmp_path):
+    """Each node's copy of one checkpoint (same bytes, another modification time) loads; two files of the same size
+    and time but other bytes refuse on every rank. Each rank reads its node's copy at the path every rank loads
+    (a bind mount in its own mount namespace, as root), and at a path of its own."""
+    from litgpt import Config
+
+    state = tiny_gpt(Config(**shard_config), torch.bfloat16, std=0.3).state_dict()
+    other = tiny_gpt(Config(**shard_config), torch.bfloat16, seed=1, std=0.3).state_dict()
+    same_path = os.geteuid() == 0
+    cases, mounts = [], []
+    for kind in _KINDS:
+        for case, directory, name in _node_copies(state, other, kind, tmp_path / kind, write_checkpoint):
+            cases.append((f"{kind}-{case}-own-path", directory + "/" + name))
+            if same_path:
+                (tmp_path / kind / case).mkdir()
+                mounts.append((directory, str(tmp_path / kind / case)))
+                cases.append((f"{kind}-{case}-same-path", str(tmp_path / kind / case / name)))
+    ranks = run_ranks(COPIES, dict(config=shard_config, cases=cases, mounts=mounts), init=False, timeout=300)
+    fc = torch.chunk(state["transformer.h.1.mlp.fc.weight"], 2)
+    for result in ranks:
+        assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
+        for kind in _KINDS:
+            for where in ("own-path", "same-path")[:1 + same_path]:
+                copies, mixed = result.values[f"{kind}-copies-{where}"], result.values[f"{kind}-mixed-{where}"]
+                assert copies["error"] is None, copies
+                assert copies["sum"] == pytest.approx(fc[result.rank].double().sum().item(), rel=1e-12)
+                assert mixed["error"] == "CheckpointDiffersError" and mixed["ours"] and mixed["on_meta"], mixed
+                assert mixed["message"] == ranks[0].values[f"{kind}-mixed-{where}"]["message"]  # on every rank
+                assert "Rank 1 of 2 failed before reading its shard, so no rank read anything" in mixed["message"]
+                assert "on rank 1 does not hold what" in mixed["message"] and "copy it again" in mixed["message"]
+    messages = ranks[0].values
+    for where in ("own-path", "same-path")[:1 + same_path]:
+        assert "its data differs (same size and headers" in messages[f"safetensors-mixed-{where}"]["message"]
+        assert "its headers differ (same size)" in messages[f"pth-mixed-{where}"]["message"]  # its CRC-32s

@@ -345,7 +345,7 @@ def _tree(root) -> dict[str, bytes | str]:
 
 def test_links_planted_at_temporary_and_final_names_are_neither_followed_nor_left(model_pair, loaded_from,
                                                                                   monkeypatch, tmp_path):
-    from lightning_lowmem.formats import atomic_file
+    from lightning_lowmem.formats import temporaries
 
     a, b = model_pair()
     outside = tmp_path / "outside"
@@ -361,7 +361,7 @@ def test_links_planted_at_temporary_and_final_names_are_neither_followed_nor_lef
     (directory / "model_config.yaml").symlink_to(outside / "victim.yaml")
     (directory / ".model.safetensors.partial").symlink_to(outside / "victim.partial")  # the old writer's temporary
     names = iter(["0badc0de", "0badc0de", "5afe5afe"])  # the first temporary name is taken by a planted link
-    monkeypatch.setattr(atomic_file.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(temporaries.secrets, "token_hex", lambda n: next(names))
     (tmp_path / ".lowmem-0badc0de.out").symlink_to(outside / "victim.temp")
 
     save_checkpoint(b, directory)

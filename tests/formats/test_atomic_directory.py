@@ -116,3 +116,63 @@ def test_a_parent_that_cannot_be_written_and_a_mount_point_are_refused_before_an
             switch_directory(mounted):
         pass
     assert _listing(mounted) == ["README.md"]
+
+
+@pytest.fixture
+def btrfs(tmp_path):
+    """A 128 MiB btrfs file system on a loop device, mounted for this test (root and btrfs-progs, else skipped)."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not (shutil.which("mkfs.btrfs") and shutil.which("btrfs")):
+        pytest.skip("needs root and btrfs-progs (mkfs.btrfs, btrfs)")
+    image, point = tmp_path / "btrfs.img", tmp_path / "btrfs"
+    point.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(128 * 2**20)
+    for command in (["mkfs.btrfs", "-q", str(image)], ["mount", "-o", "loop", str(image), str(point)]):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot make a btrfs here: {done.stderr.strip()[-300:]}")
+    yield point
+    subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def test_a_btrfs_subvolume_is_saved_into_and_a_mount_point_inside_it_refused(btrfs):
+    """A subvolume has an st_dev of its own but is no mount point: it renames like any directory."""
+    import subprocess
+
+    subprocess.run(["btrfs", "subvolume", "create", str(btrfs / "model")], check=True, capture_output=True)
+    (btrfs / "model" / "README.md").write_text("mine")
+    assert os.stat(btrfs / "model").st_dev != os.stat(btrfs).st_dev  # what the old check took for a mount
+    with switch_directory(btrfs / "model") as new:
+        _write(new, "weights.bin", b"new")
+    assert _listing(btrfs / "model") == ["README.md", "weights.bin"] and _listing(btrfs) == ["model"]
+    assert (btrfs / "model" / "weights.bin").read_bytes() == b"new"
+    (btrfs / "mounted").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(btrfs / "mounted")]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(SaveError, match="is a mount point"), switch_directory(btrfs / "mounted"):
+            pass
+    finally:
+        subprocess.run(["umount", str(btrfs / "mounted")])
+
+
+def test_a_bind_mount_on_the_same_file_system_is_refused(tmp_path):
+    """Its st_dev is its parent's (the old check let it through, and the switch then failed with EBUSY)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    (tmp_path / "source").mkdir()
+    (tmp_path / "out").mkdir()
+    if subprocess.run(["mount", "--bind", str(tmp_path / "source"), str(tmp_path / "out")]).returncode:
+        pytest.skip("cannot bind-mount here")
+    try:
+        with pytest.raises(SaveError, match=r"is a mount point.*Save into a directory inside it"), \
+                switch_directory(tmp_path / "out"):
+            pass
+        assert _listing(tmp_path) == ["out", "source"]
+    finally:
+        subprocess.run(["umount", str(tmp_path / "out")])

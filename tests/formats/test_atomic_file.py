@@ -9,15 +9,9 @@ import stat
 import pytest
 
 from lightning_lowmem import SaveError
-from lightning_lowmem.formats import atomic_file
-from lightning_lowmem.formats.atomic_file import (
-    exchange,
-    locked,
-    make_temporary_directory,
-    remove_leftovers,
-    replace_file,
-    write_new,
-)
+from lightning_lowmem.formats import temporaries
+from lightning_lowmem.formats.atomic_file import exchange, replace_file, write_new
+from lightning_lowmem.formats.temporaries import locked, make_temporary_directory, remove_leftovers
 
 
 @pytest.fixture
@@ -74,7 +68,7 @@ def test_replace_file_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
 
 def test_a_temporary_name_taken_by_a_planted_link_is_skipped(tmp_path, victim, monkeypatch):
     names = iter(["0badc0de", "5afe5afe"])
-    monkeypatch.setattr(atomic_file.secrets, "token_hex", lambda n: next(names))
+    monkeypatch.setattr(temporaries.secrets, "token_hex", lambda n: next(names))
     (tmp_path / ".lowmem-0badc0de.out").symlink_to(victim.parent)
     made = make_temporary_directory(tmp_path, "out")
     assert made.name == ".lowmem-5afe5afe.out" and made.is_dir() and not made.is_symlink()
@@ -105,3 +99,79 @@ def test_exchange_swaps_two_directories_in_one_step(tmp_path):
     if not exchange(tmp_path / "a", tmp_path / "b"):
         pytest.skip("no renameat2(RENAME_EXCHANGE) here")
     assert os.listdir(tmp_path / "b") == ["in-a"] and os.listdir(tmp_path / "a") == []
+
+
+@pytest.fixture(params=["O_TMPFILE", "created-then-locked"])
+def temporary_kind(request, monkeypatch):
+    """Each way a temporary is made: Linux's unnamed file linked in once locked, and the fallback (macOS, a file system
+    without O_TMPFILE), forced here by the probe saying there is no O_TMPFILE."""
+    from lightning_lowmem import system
+
+    if request.param == "O_TMPFILE" and system.O_TMPFILE is None:
+        pytest.skip("no O_TMPFILE here")
+    if request.param != "O_TMPFILE":
+        monkeypatch.setattr(system, "O_TMPFILE", None)
+    return request.param
+
+
+def _clean_up_before_each_lock(monkeypatch, directory, name) -> list[list[str]]:
+    """Another save's clean-up of ``name``, run in ``directory`` at the worst moment: just before this save first locks
+    its temporary, and again just after an unnamed file is linked in. Returns what each clean-up removed."""
+    real_flock, real_link, removed = temporaries._flock, os.link, []
+
+    def flock(fd, *, blocking):
+        if blocking and not removed:  # this save, about to lock (a clean-up only ever tries without waiting)
+            removed.append(remove_leftovers(directory, name))
+        return real_flock(fd, blocking=blocking)
+
+    def link(source, target, **kwargs):
+        real_link(source, target, **kwargs)
+        removed.append(remove_leftovers(directory, name))  # visible now, and already locked: never removed
+
+    monkeypatch.setattr(temporaries, "_flock", flock)
+    monkeypatch.setattr(os, "link", link)
+    return removed
+
+
+def test_a_concurrent_clean_up_never_removes_a_temporary_file_being_written(tmp_path, monkeypatch, temporary_kind):
+    (tmp_path / "a.ckpt").write_bytes(b"old")
+    removed = _clean_up_before_each_lock(monkeypatch, tmp_path, "a.ckpt")
+    replace_file(tmp_path / "a.ckpt", lambda f: f.write(b"new"))
+    assert (tmp_path / "a.ckpt").read_bytes() == b"new" and os.listdir(tmp_path) == ["a.ckpt"]
+    if temporary_kind == "O_TMPFILE":
+        assert removed == [[], []]  # nothing to see before the lock; locked once it has a name
+    else:  # created, then removed by the clean-up before the lock: made again, and the save landed
+        assert len(removed) == 1 and len(removed[0]) == 1
+
+
+def test_a_concurrent_clean_up_never_removes_a_directory_being_written(tmp_path, monkeypatch):
+    from lightning_lowmem.formats.atomic_directory import switch_directory
+
+    (tmp_path / "out").mkdir()
+    removed = _clean_up_before_each_lock(monkeypatch, tmp_path, "out")
+    with switch_directory(tmp_path / "out") as new:
+        (new / "weights.bin").write_bytes(b"new")
+    assert (tmp_path / "out" / "weights.bin").read_bytes() == b"new" and os.listdir(tmp_path) == ["out"]
+    assert len(removed) == 1 and len(removed[0]) == 1  # removed before its lock, made again: the save landed
+
+
+def test_saves_of_one_name_from_many_threads_all_land(tmp_path, temporary_kind):
+    """Every save cleans up leftovers of the same name first: none removes another's temporary."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def saves(i: int) -> None:
+        for j in range(25):
+            try:
+                replace_file(tmp_path / "a.ckpt", lambda f: f.write(f"{i}-{j}".encode()))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+    threads = [threading.Thread(target=saves, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and os.listdir(tmp_path) == ["a.ckpt"]
+    assert (tmp_path / "a.ckpt").read_bytes().decode().split("-")[1] == "24"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -144,3 +145,108 @@ def test_a_released_shard_changed_before_it_is_read_again_is_caught(tmp_path, ho
             ckpt.read("p0")
         with pytest.raises(CheckpointFormatError):
             ckpt.check_unchanged()
+
+
+def _as_another_rank(change):
+    """``headers_shared``'s ``share`` as a rank other than the first sees it: the first rank's readers made and sent
+    (pickled, as ``broadcast_object_list`` sends them), then ``change()`` makes this rank's file at the same path
+    another node's copy, before this rank opens it."""
+    import pickle
+
+    def share(make, send):
+        first = make()
+        sent = pickle.dumps(send(first))
+        for f in first.files:
+            f.close()
+        change()
+        return pickle.loads(sent)
+
+    return share
+
+
+def _write_other(path, kind: str, write_checkpoint, write_gguf_tensors, seed: int):
+    import numpy as np
+
+    torch.manual_seed(seed)
+    state = {f"layer{i}.weight": torch.randn(64, 48) for i in range(3)} | {"norm": torch.ones(48)}
+    if kind == "gguf":
+        path.mkdir(parents=True)
+        return write_gguf_tensors(path / "model.gguf", "llama", {k: v.numpy().astype(np.float32) for k, v in
+                                                                 state.items()}), state
+    return write_checkpoint(state, kind, path), state
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pth", "gguf", "sharded-safetensors"])
+def test_a_rank_loads_its_node_s_copy_and_refuses_other_bytes_of_the_same_size(
+        tmp_path, kind, write_checkpoint, write_gguf_tensors):
+    """Rank 0's file, then this rank's at the same path: the same bytes modified at another time open; other bytes of
+    the same size and time (other weights) are a ``CheckpointDiffersError`` naming what differs."""
+    import shutil
+
+    from lightning_lowmem import CheckpointDiffersError
+    from lightning_lowmem.formats.checkpoint import headers_shared
+
+    first, state = _write_other(tmp_path / "first", kind, write_checkpoint, write_gguf_tensors, seed=0)
+    other, _ = _write_other(tmp_path / "other", kind, write_checkpoint, write_gguf_tensors, seed=1)
+    node = tmp_path / "node"
+
+    def copy_of(source):
+        def change():
+            shutil.rmtree(node, ignore_errors=True)
+            shutil.copytree(source.parent, node)
+            for f in node.iterdir():
+                os.utime(f, ns=(0, 10**18))  # this node's own time
+        return change
+
+    copy_of(first)()
+    with headers_shared(_as_another_rank(copy_of(first))), Checkpoint.open(node / first.name) as ckpt:
+        read = ckpt.read("layer1.weight")
+        assert torch.equal(read.reshape(state["layer1.weight"].shape), state["layer1.weight"])
+    expected = {"pth": "its headers differ (same size)"}.get(kind, "its data differs (same size and headers")
+    with pytest.raises(CheckpointDiffersError, match=r"on rank 0 does not hold what .* holds on rank 0: ") as e, \
+            headers_shared(_as_another_rank(copy_of(other))):
+        Checkpoint.open(node / first.name)
+    assert expected in str(e.value) and "copy it again" in str(e.value)
+
+
+def test_a_checkpoint_of_another_file_count_on_another_rank_is_refused(tmp_path, write_checkpoint):
+    """Rank 0 asked for another path (its own node's), which stands for four shards; this rank's stands for one."""
+    import pickle
+
+    from lightning_lowmem import CheckpointDiffersError
+    from lightning_lowmem.formats import checkpoint
+
+    state = {f"layer{i}.weight": torch.randn(64, 48) for i in range(3)}
+    index = write_checkpoint(state, "sharded-safetensors", tmp_path / "rank0")
+    single = write_checkpoint(state, "safetensors", tmp_path / "rank1")
+
+    def share(make, send):  # what rank 0 made of its own path, sent as rank 0 sends it
+        files = checkpoint._open_files(index)
+        first = checkpoint._First(files, checkpoint.fingerprints(files, [1] * len(files)))
+        sent = pickle.dumps(send(first)._replace(asked=str(index)))
+        for f in files:
+            f.close()
+        return pickle.loads(sent)
+
+    with pytest.raises(CheckpointDiffersError, match=r"stands for 1 files on rank 0 \(.*rank1.*\) and for \d on rank 0 \(.*rank0/model-00001"), \
+            checkpoint.headers_shared(share):
+        Checkpoint.open(single)
+
+
+def test_a_fingerprint_samples_the_data_evenly_and_reads_no_more_than_asked(tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_lowmem.formats.files import SAMPLE_BYTES, sample_offsets
+
+    assert sample_offsets(0, 3 * SAMPLE_BYTES, 8) == [0, SAMPLE_BYTES, 2 * SAMPLE_BYTES]  # a small file: all of it
+    offsets = sample_offsets(10, 10 + 100 * SAMPLE_BYTES, 5)
+    assert offsets[0] == 10 and offsets[-1] == 10 + 99 * SAMPLE_BYTES and len(set(offsets)) == 5
+    save_file({"w": torch.arange(50_000, dtype=torch.float32)}, tmp_path / "m.safetensors")
+    with Checkpoint.open(tmp_path / "m.safetensors") as ckpt:
+        reads = []
+        file = ckpt.files[0]
+        real = file.pread
+        file.pread = lambda size, offset: reads.append(size) or real(size, offset)
+        print_ = file.fingerprint(4)
+    assert print_.blocks == 4 and print_.size == os.path.getsize(tmp_path / "m.safetensors")
+    assert sum(reads) <= 8 + 4 * SAMPLE_BYTES + 200  # the header (twice its size field) and four blocks

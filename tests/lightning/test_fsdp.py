@@ -226,3 +226,52 @@ def test_fabric_builds_it_by_name():
 
     fabric = L.Fabric(strategy="lowmem_fsdp", accelerator="cpu", devices=2)
     assert type(fabric.strategy) is lightning_lowmem.LowMemFSDPStrategy
+
+
+NCCL = """
+import lightning as L
+import safetensors.torch
+from litgpt import GPT
+
+import lightning_lowmem  # registers "lowmem_fsdp" with Fabric
+
+fabric = L.Fabric(accelerator="cuda", devices=world, strategy="lowmem_fsdp", precision="bf16-true")
+fabric.launch()
+with fabric.init_module():
+    model = GPT(config())
+    model.lm_head.weight = model.transformer.wte.weight  # tied: FSDP2 needs them in one group
+model = fabric.setup(model)
+fabric.load_raw(args["path"], model)  # the ranks' agreements run on NCCL: on this rank's GPU
+full = safetensors.torch.load_file(args["path"])
+full["lm_head.weight"] = full["transformer.wte.weight"]
+inner = model.module
+own_rows = all(torch.equal(p.to_local().cpu(), torch.chunk(full[n], world)[rank]) for n, p in inner.named_parameters()
+               if n in full and p.to_local().numel())
+tokens = torch.randint(0, 101, (2, 17), device=fabric.device, generator=torch.Generator().manual_seed(1))
+reference = GPT(config())
+reference.lm_head.weight = reference.transformer.wte.weight
+reference.load_state_dict(full)
+reference = reference.to(torch.bfloat16).to(fabric.device).eval()
+reference.reset_parameters()
+with torch.no_grad(), fabric.autocast():
+    logits, expected = model(tokens).to(torch.bfloat16), reference(tokens).to(torch.bfloat16)
+emit(backend=str(torch.distributed.get_backend()), devices=sorted({p.device.type for p in inner.parameters()}),
+     own_rows=own_rows, report_rank=fabric.strategy.reports[-1].rank,
+     difference=(logits.float() - expected.float()).abs().max().item())
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fabric_loads_fsdp2_shards_on_nccl(run_ranks, shard_config, tied_checkpoint):
+    """Lightning's CUDA strategy makes an NCCL-only process group: the load's agreements run there (world size 1;
+    2 where there are two GPUs), each rank's shards hold the checkpoint's rows, the forward matches one process."""
+    world = min(torch.cuda.device_count(), 2)
+    ranks = run_ranks(NCCL, dict(config=shard_config, path=str(tied_checkpoint)), world=world, init=False,
+                      timeout=400)
+    for result in ranks:
+        assert result.returncode == 0 and not result.timed_out, result.stderr[-3000:]
+        got = result.values
+        assert got["backend"] == "nccl" and got["devices"] == ["cuda"] and got["own_rows"], got
+        assert got["report_rank"] == result.rank
+        assert got["difference"] == 0.0, got
