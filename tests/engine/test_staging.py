@@ -219,3 +219,120 @@ def test_without_an_engine_the_load_takes_no_device_path(quant_checkpoint, quant
     finally:
         staging.Stager.__init__ = real
     assert not seen and "cpu" not in copies.ENGINES
+
+
+# ---------------------------------------------------------------- on a GPU (skipped without one)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def todays_path(monkeypatch):
+    """``todays_path()``: from here on, loads take no device path and quantize by blocks of rows on the GPU too: the
+    load as it was before the device path existed."""
+    import lightning_lowmem.quantize.rows as rows
+
+    def use() -> None:
+        monkeypatch.setattr(copies, "ENGINES", {})
+        monkeypatch.setattr(rows, "by_blocks", lambda device: True)
+
+    return use
+
+
+def _pinned_bytes() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return next(v for k, v in stats.items() if "allocated_bytes" in k and k.endswith("current"))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kind", ["safetensors", "pth", "sharded-safetensors"])
+@pytest.mark.parametrize("stored,dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                          (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
+def test_cuda_device_path_gives_todays_bytes_and_logits(tmp_path, monkeypatch, todays_path, quant_config, tiny_gpt,
+                                                         meta_gpt, write_checkpoint, forward_logits, kind, stored,
+                                                         dtype):
+    monkeypatch.setattr(staging, "SLOT_BYTES", 4096)  # every tensor in pieces
+    path = write_checkpoint(tiny_gpt(quant_config, stored).state_dict(), kind, tmp_path)
+    pinned = _pinned_bytes()
+    model = meta_gpt(quant_config)
+    load_checkpoint(model, path, dtype=dtype, device="cuda")
+    assert _pinned_bytes() == pinned and not _lowmem_threads()  # the ring went with the load
+    todays_path()
+    ref = meta_gpt(quant_config)
+    load_checkpoint(ref, path, dtype=dtype, device="cuda")
+    _assert_identical(model, ref)
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    torch.testing.assert_close(forward_logits(model), forward_logits(ref), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "torchao.int8wo", "torchao.int8dq",
+                                    "torchao.int4wo", "torchao.nf4"])
+def test_cuda_weights_quantized_whole_on_the_device_are_todays_bytes(todays_path, quant_checkpoint, quant_load,
+                                                                     assert_same_weights, forward_logits, scheme):
+    if scheme not in schemes_available_on(torch.device("cuda")):
+        pytest.skip(f"{scheme} has no kernel on this GPU")
+    model, report = quant_load(quant_checkpoint, quantize=scheme, device="cuda")
+    todays_path()
+    ref, _ = quant_load(quant_checkpoint, quantize=scheme, device="cuda")
+    assert report.quantized
+    assert_same_weights(model, ref)
+    torch.testing.assert_close(forward_logits(model), forward_logits(ref), rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("scheme", [None, "bnb.nf4"])
+def test_cuda_peak_is_the_model_and_the_largest_tensor(tmp_path, tiny_config, tiny_gpt, meta_gpt, write_checkpoint,
+                                                        scheme):
+    """GPU peak during the load <= the final model + its largest tensor + 64 MiB (a model large enough that reading
+    ahead would pass that: 6 layers of 1024 dims, 12 MiB MLP weights in bf16)."""
+    from lightning_lowmem.quantize import module_nbytes
+
+    config = tiny_config("gqa", n_layer=6, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096,
+                         padded_vocab_size=4096)
+    path = write_checkpoint(tiny_gpt(config, torch.bfloat16).state_dict(), "safetensors", tmp_path)
+    model = meta_gpt(config)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    load_checkpoint(model, path, dtype=torch.bfloat16, device="cuda", quantize=scheme)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    largest = max(t.numel() * t.element_size() for t in tiny_gpt(config, torch.bfloat16).state_dict().values())
+    assert peak <= module_nbytes(model) + largest + 64 * 2**20, (peak, module_nbytes(model), largest)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_a_read_failing_mid_ring_leaves_no_thread_and_no_pinned_memory(tmp_path, quant_config, tiny_gpt, meta_gpt,
+                                                                           write_checkpoint, read_recorder, monkeypatch):
+    import os
+
+    monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
+    path = write_checkpoint(tiny_gpt(quant_config, torch.bfloat16).state_dict(), "safetensors", tmp_path)
+    read_recorder.before_rows = lambda key, start, stop: (
+        os.truncate(path, os.path.getsize(path) // 2) if key.endswith("h.1.mlp.fc.weight") and start else None)
+    pinned = _pinned_bytes()
+    model = meta_gpt(quant_config)
+    with pytest.raises(CheckpointFormatError, match=r"model\.safetensors"):
+        load_checkpoint(model, path, dtype=torch.bfloat16, device="cuda")
+    assert all(p.is_meta for p in model.parameters())
+    assert _pinned_bytes() == pinned and not _lowmem_threads()
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_pinned_memory_refused_falls_back(monkeypatch, todays_path, quant_checkpoint, quant_load, caplog):
+    def refuse(self, nbytes):
+        raise RuntimeError("pinned memory refused (test)")
+
+    monkeypatch.setattr(copies.CudaCopies, "host_buffer", refuse)
+    with caplog.at_level(logging.WARNING, logger="lightning_lowmem.engine.staging"):
+        model, _ = quant_load(quant_checkpoint, device="cuda")
+    assert "pageable copies instead" in caplog.text
+    todays_path()
+    ref, _ = quant_load(quant_checkpoint, device="cuda")
+    _assert_identical(model, ref)
