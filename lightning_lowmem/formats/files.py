@@ -38,6 +38,10 @@ CHECK_SECONDS = 0.05
 tensors read one by one spent a fifth of their time checking)."""
 CHECK_BYTES = 2**20
 """Reads of this many bytes or more always check it first."""
+ADVISE_BYTES = 64 * 2**20
+"""Bytes past each read that the kernel is asked to start reading now (``posix_fadvise(WILLNEED)``), so that a file
+not in the page cache keeps the disk busy while the bytes read are cast, copied or quantized: see
+:meth:`OpenedFile.read_into`."""
 
 
 def open_regular(path: Path) -> int:
@@ -72,6 +76,14 @@ def open_regular(path: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _read_in_order(fd: int) -> None:
+    """Tell the kernel the file is read mostly in order (``POSIX_FADV_SEQUENTIAL``: its read-ahead window doubles)."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:  # a hint only
+        pass
 
 
 def read_error(path: Path, action: str, error: OSError) -> CheckpointReadError:
@@ -141,6 +153,8 @@ class OpenedFile:
         self._mapped: torch.Tensor | None = None
         self._checked_at = time.monotonic()  # when the file was last checked
         self._lock = threading.Lock()  # reopening is one thread's job
+        self._advised = 0  # the end of the bytes the kernel was last asked to read ahead
+        _read_in_order(fd)
 
     def __getstate__(self) -> dict:
         """What another rank needs to read this file without parsing its headers again: everything but the
@@ -171,6 +185,7 @@ class OpenedFile:
                 "bytes, or modified at another time). Every rank must load the same file: copy it again, or wait "
                 "for whatever writes it to finish.")
         self._descriptor, self._stat, self._received = fd, _identity(now), False
+        _read_in_order(fd)
 
     @property
     def _fd(self) -> int:
@@ -189,6 +204,7 @@ class OpenedFile:
         if _identity(os.fstat(fd)) != self._stat:
             os.close(fd)
             raise self._changed("was replaced by another file or changed")
+        _read_in_order(fd)
         return fd
 
     @property
@@ -260,12 +276,30 @@ class OpenedFile:
             self._check_descriptor()
         self._check_span(offset, out.nbytes)
         if out.numel():
+            self._advise_ahead(offset + out.nbytes)
             try:
                 read_exactly(self._fd, out, offset, self.path)
             except CheckpointFormatError:
                 self.check_unchanged()  # a file cut short since it was opened says so
                 raise
         return out
+
+    def _advise_ahead(self, end: int) -> None:
+        """Ask the kernel to start reading the :data:`ADVISE_BYTES` after ``end`` (where this read stops), unless at
+        least half of them were asked for already. Read from a cold page cache, the next tensors' bytes are then on
+        their way while this one is handled (pythia-1b's safetensors file, dropped from the page cache: see
+        ``docs/benchmarks.md``); from a warm one the call finds the pages there and returns."""
+        ahead = self._advised - end
+        if ADVISE_BYTES // 2 <= ahead <= ADVISE_BYTES:
+            return
+        start = end + ahead if 0 <= ahead < ADVISE_BYTES // 2 else end
+        stop = min(self.size, end + ADVISE_BYTES)
+        if stop > start:
+            try:
+                os.posix_fadvise(self._fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+            except OSError:  # a hint: a filesystem that takes none reads as before
+                pass
+        self._advised = stop
 
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file)."""
