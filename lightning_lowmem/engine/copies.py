@@ -9,8 +9,8 @@
         .hand_over(t, fence)   the caller's work on t starts after the fence (the consumer side)
         .synchronize()         every copy issued so far is done
     CudaCopies       a CUDA device: ``pin_memory`` host buffers, ``non_blocking`` copies on a side stream
-                     (``torch.cuda.Stream``), a ``torch.cuda.Event`` per copy; the consumer's stream waits on the
-                     event and ``record_stream`` keeps the allocator from reusing a tensor while work on it is queued
+                     (``torch.cuda.Stream``), a ``torch.cuda.Event`` per copy that the consumer's stream waits on;
+                     ``record_stream`` keeps the allocator from reusing a destination while a copy into it runs
     ThreadCopies     the CPU: one thread runs the copies in the order issued, fences are ``threading.Event`` s. The
                      ring's logic (buffer reuse, order, errors, clean-up) runs on a machine without a GPU through it,
                      for real; only which memory and which queue differ
@@ -91,35 +91,39 @@ class _EventFence(Fence):
 class CudaCopies(CopyEngine):
     """A CUDA device: pinned host buffers, copies on a side stream of their own.
 
-    Device memory for the copies is allocated on the side stream (the caching allocator then reuses it only for
-    that stream's work, which runs in order); :meth:`hand_over` makes the caller's current stream wait for the
-    copy's event and records the tensor on that stream, so that the allocator keeps it until the work queued
-    there is done, whenever the tensor is freed.
+    Device memory is allocated for the stream of the thread that made the engine (the consumer: the load's
+    loop), so that the caching allocator reuses it for that stream's work as usual, and the side stream first waits
+    for the work already queued there (a block freed by the consumer may still be read by a kernel queued before
+    its free). Each copy's destination is recorded on the side stream (``record_stream``: freed early, on an error,
+    it is not reused before the copy ends), and :meth:`hand_over` makes the consumer's stream wait for the copy's
+    event: no host synchronization on the consumer's side.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.consumer = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.stream(self.stream):
-            return torch.empty(shape, dtype=dtype, device=self.device)
+        with torch.cuda.stream(self.consumer):
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        self.stream.wait_stream(self.consumer)
+        return tensor
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
+            dst.record_stream(self.stream)
             event = torch.cuda.Event()
             event.record(self.stream)
         return _EventFence(event)
 
     def hand_over(self, tensor: torch.Tensor, fence: Fence | None) -> None:
-        current = torch.cuda.current_stream(self.device)
         if isinstance(fence, _EventFence):
-            current.wait_event(fence.event)
-        tensor.record_stream(current)
+            self.consumer.wait_event(fence.event)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

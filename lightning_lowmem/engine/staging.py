@@ -191,11 +191,12 @@ class Stager:
         """Stop: reads not started are cancelled, running ones waited for, every copy issued waited for; then the ring
         and the engine are dropped."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._futures.clear()
         try:
-            self.engine.close()
+            self.engine.synchronize()  # every copy done, before the tensors read ahead and the ring are dropped
         finally:
+            self._futures.clear()
             self.ring.close()
+            self.engine.close()  # after the ring: CUDA's cached pinned memory is given back here
 
 
 def load_window(routes: Sequence) -> int:
