@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import GiB, MiB, environment, markdown, median
+from common import GiB, MiB, environment, markdown, median, run_fresh
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
@@ -277,17 +277,8 @@ def _evict(paths: list[Path]) -> None:
 # ---------------------------------------------------------------- the parent: runs, JSON lines, the table
 
 def run(args: argparse.Namespace, what: list[str], directory: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                        str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, __file__, "--worker", *what, str(directory), "--device", args.device]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        return {"error": (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1][:200]}
-    return json.loads(lines[-1])
+    """One method or limit in a fresh process: its JSON line, or ``{"error": ...}``."""
+    return run_fresh(__file__, ["--worker", *what, str(directory), "--device", args.device], timeout=args.timeout)
 
 
 def runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
