@@ -27,6 +27,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -104,14 +105,18 @@ _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.in
 """Dtypes numpy has: a tensor of one is seen as bytes in one step (the other way costs 2 us, per tensor)."""
 
 
-def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path,
+                 cold: Callable[[], None] | None = None) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy
-    between)."""
+    between). What the page cache holds is read first without waiting for the disk (``RWF_NOWAIT``); when that is
+    not all of it, ``cold()`` is called before the rest is read (the reader asks the kernel to read ahead)."""
     if out.dtype in _NUMPY_DTYPES:
         buffer = memoryview(out.numpy()).cast("B")
     else:  # bfloat16, float8: numpy has no such dtype; seen as uint8 first
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    done = 0
+    done = _read_cached(fd, buffer, offset)
+    if done < len(buffer) and cold is not None:
+        cold()
     while done < len(buffer):
         try:
             n = os.preadv(fd, [buffer[done:]], offset + done)
@@ -123,6 +128,18 @@ def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
                 "The file is truncated: download or save it again."
             )
         done += n
+
+
+def _read_cached(fd: int, buffer: memoryview, offset: int) -> int:
+    """Bytes of ``buffer`` read from the page cache alone (``preadv2(RWF_NOWAIT)``); 0 where the kernel or the
+    filesystem cannot say (the caller then reads as usual)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not len(buffer):
+        return 0
+    try:
+        return os.preadv(fd, [buffer], offset, flag)
+    except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP, EINVAL: no such flag here
+        return 0
 
 
 class _Identity(NamedTuple):
@@ -276,9 +293,8 @@ class OpenedFile:
             self._check_descriptor()
         self._check_span(offset, out.nbytes)
         if out.numel():
-            self._advise_ahead(offset + out.nbytes)
             try:
-                read_exactly(self._fd, out, offset, self.path)
+                read_exactly(self._fd, out, offset, self.path, lambda: self._advise_ahead(offset + out.nbytes))
             except CheckpointFormatError:
                 self.check_unchanged()  # a file cut short since it was opened says so
                 raise
@@ -286,9 +302,9 @@ class OpenedFile:
 
     def _advise_ahead(self, end: int) -> None:
         """Ask the kernel to start reading the :data:`ADVISE_BYTES` after ``end`` (where this read stops), unless at
-        least half of them were asked for already. Read from a cold page cache, the next tensors' bytes are then on
-        their way while this one is handled (pythia-1b's safetensors file, dropped from the page cache: see
-        ``docs/benchmarks.md``); from a warm one the call finds the pages there and returns."""
+        least half of them were asked for already. Called only for a read the page cache could not serve whole
+        (:func:`read_exactly`): from a cold page cache, the next tensors' bytes are then on their way while this one
+        is handled (see ``docs/benchmarks.md``, "Cold page cache"); a warm load makes no such call."""
         ahead = self._advised - end
         if ADVISE_BYTES // 2 <= ahead <= ADVISE_BYTES:
             return
