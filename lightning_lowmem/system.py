@@ -67,6 +67,30 @@ def read_at(fd: int, view: memoryview, offset: int) -> int:
     return len(data)
 
 
+def advise(fd: int, offset: int, length: int, advice: str) -> None:
+    """Give the kernel a hint about how ``fd`` is read (``posix_fadvise``: ``"SEQUENTIAL"``, ``"WILLNEED"``); nothing
+    where the call or the advice does not exist (macOS) or the filesystem takes no hints."""
+    call, flag = getattr(os, "posix_fadvise", None), getattr(os, f"POSIX_FADV_{advice}", None)
+    if call is None or flag is None:
+        return
+    try:
+        call(fd, offset, length, flag)
+    except OSError:  # a hint only
+        pass
+
+
+def read_cached(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes of ``view`` read from the page cache alone, without waiting for the disk (``preadv2(RWF_NOWAIT)``); 0
+    where nothing is cached at ``offset`` or the system cannot say (no ``RWF_NOWAIT``: macOS, older kernels)."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not HAS_PREADV or not len(view):
+        return 0
+    try:
+        return os.preadv(fd, [view], offset, flag)
+    except OSError:  # EAGAIN: nothing cached at offset; EOPNOTSUPP, EINVAL: no such flag here
+        return 0
+
+
 class Swap(NamedTuple):
     """A rename call that takes flags, and its flags: ``call(old, new, flags)`` returns 0, or -1 with ``errno`` set."""
 

@@ -41,6 +41,7 @@ class Reader:
         self.parts = SharedParts(ckpt, plan)
         self.rows = RowBuffer()  # the one buffer blocks of rows are read into (row_reads.py)
         self.destination: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+        self.staged = None  # the device path's stager (staging.py), when the load has one
 
     def final_out(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """Where a tensor read as it is kept goes: a view of ``destination`` when set, else None (new memory)."""

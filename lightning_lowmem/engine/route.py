@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from lightning_lowmem.engine.reader import Payload, Reader
 from lightning_lowmem.engine.row_reads import Transform
 from lightning_lowmem.formats import Checkpoint
@@ -27,6 +29,7 @@ class Traits:
         reads_rows: whether a block of rows of a checkpoint key can be read on its own.
         shared: checkpoint keys that several targets are built from (read once, held between them).
         requantized: weight names built from weights stored quantized, then quantized again.
+        staged: the device whose tensors go through the device path's ring (``staged.py``), or None.
     """
 
     transform: Transform | None = None
@@ -34,10 +37,11 @@ class Traits:
     reads_rows: Callable[[str], bool] = field(default=lambda key: True)  # records with no file: as any file
     shared: frozenset[str] = frozenset()
     requantized: frozenset[str] = frozenset()
+    staged: torch.device | None = None
 
     @classmethod
     def of(cls, plan: LoadPlan, ckpt: Checkpoint | None, *, transform: Transform | None, mapped: bool = False,
-           requantized: frozenset[str] = frozenset()) -> Traits:
+           requantized: frozenset[str] = frozenset(), staged: torch.device | None = None) -> Traits:
         """The traits of a load of ``plan`` from ``ckpt`` (None: records with no file, read as any file reads)."""
         uses: dict[str, int] = {}
         for target in plan.targets:
@@ -45,8 +49,8 @@ class Traits:
                 uses[part.key] = uses.get(part.key, 0) + 1
         shared = frozenset(k for k, n in uses.items() if n > 1)
         if ckpt is None:
-            return cls(transform, mapped, shared=shared, requantized=requantized)
-        return cls(transform, mapped, ckpt.reads_rows, shared, requantized)
+            return cls(transform, mapped, shared=shared, requantized=requantized, staged=staged)
+        return cls(transform, mapped, ckpt.reads_rows, shared, requantized, staged)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,11 @@ class Route:
     def blocks(self) -> int:
         """Blocks of rows read and quantized at once along this route (more than one: on the load's row workers)."""
         return 1
+
+    @property
+    def staged(self) -> bool:
+        """Whether it goes through the device path's ring (``staged.py``): read ahead by the stager, not here."""
+        return False
 
 
 def as_read(target: Target) -> int:

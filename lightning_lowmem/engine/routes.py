@@ -14,6 +14,8 @@
         stacked        its parts read straight into their rows of the tensor, allocated once (``stacked.py``)
         stacked rows   the same, quantized a block of rows at a time (``stacked.py``)
         stored         the parts of a weight stored quantized, as they are
+        staged (stack) onto a device with a device path: through a ring of host buffers, several tensors at once,
+                       copies overlapped with the next reads; quantized on the device whole (``staged.py``)
         shard rows     this rank's rows of a DTensor, read straight into its local part
         quantized shard rows   this rank's rows of a weight, read and quantized alone (a scheme that
                        ``shards_by_rows``: one all-reduce per weight, ``shard_sums.py``)
@@ -47,6 +49,7 @@ from lightning_lowmem.engine.route import (
 )
 from lightning_lowmem.engine.row_reads import block_rows, built_by_rows, read_built, reads_by_rows, rows_reader
 from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
+from lightning_lowmem.engine.staged import stageable, staged_route
 from lightning_lowmem.plan import Target, row_block
 from lightning_lowmem.quantize.rows import RowSource
 
@@ -61,6 +64,8 @@ def route_of(target: Target, traits: Traits) -> Route:
             return Stacked(target)
         elif not target.parts and traits.reads_rows(target.record.key):
             return ShardRows(target)
+    if stageable(target, traits):
+        return staged_route(target)
     if traits.mapped:
         return Mapped(target)
     if target.stored is not None:

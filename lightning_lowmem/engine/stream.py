@@ -4,6 +4,8 @@
 
     for each target:  read it as its route says (routes.py: whole, by rows, its parts combined or stacked, ...)
                       -> transform -> cast -> to device -> quantize (marked targets) or assign -> drop
+                      [onto a CUDA device: read through the ring of host buffers, several at once, the copies
+                       on a side stream overlapping the next reads; quantized there whole (staging.py)]
                       [a tensor stored block-quantized: read, transformed and cast a block of rows at a time
                        into its final tensor (row_reads.py)]
                       [a weight stored quantized: its parts read -> into its scheme's module as they are]
@@ -26,6 +28,7 @@ earlier meets the others there instead of leaving them in the collective.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -34,11 +37,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from lightning_lowmem.engine.copies import ENGINES
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.readahead import read_ahead
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.engine.routes import QuantizedShardRows, route_of
 from lightning_lowmem.engine.shard_sums import ShardSums
+from lightning_lowmem.engine.staging import Stager, load_window, open_stager
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory import collector_paused
 from lightning_lowmem.meta import assign
@@ -61,13 +66,28 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     """Load every target of ``plan`` from ``ckpt`` into ``module``; returns ``(tensors, bytes read, mapped)``.
 
     With ``mmap``, when :func:`mappable` says the whole load may be mapped, each tensor is a view of its
-    file's mapped pages (bytes read: 0) instead of a copy.
+    file's mapped pages (bytes read: 0) instead of a copy. Tensors going to a device with a copy engine (CUDA) take
+    the device path (``staging.py``) when its ring can be had, else the routes they take without it.
 
     On an error the module is left as far as it got; the caller puts it back (``meta.Snapshot``).
     """
     mapped = mmap and mappable(plan, quantizer, transform)
-    traits = Traits.of(plan, ckpt, transform=transform, mapped=mapped)
+    device = path_device(plan)
+    traits = Traits.of(plan, ckpt, transform=transform, mapped=mapped, staged=device)
     routes = {id(target): route_of(target, traits) for target in plan.targets}
+    staged = [route for route in routes.values() if route.staged]
+    with open_stager(ckpt, staged, device, load_window(list(routes.values()))) as stager:
+        if staged and stager is None:  # no ring: every tensor as without the device path
+            traits = dataclasses.replace(traits, staged=None)
+            routes = {id(target): route_of(target, traits) for target in plan.targets}
+        tensors, nbytes = _stream(module, ckpt, plan, quantizer, routes, stager, transform, combine, progress)
+    return tensors, nbytes, mapped
+
+
+def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quantizer | None,
+            routes: dict[int, Route], stager: Stager | None, transform: Transform | None, combine: Combine | None,
+            progress: bool | None) -> tuple[int, int]:
+    """The loop of :func:`stream` along the chosen ``routes``: ``(tensors, bytes read)``."""
     window = read_window(list(routes.values()), transform is not None)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading",
                disable=not (progress if progress is not None else sys.stderr.isatty()), leave=False)
@@ -76,11 +96,13 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
     # cycles (torchao's int8 weights did: +120 MiB with the collector paused), so the collector keeps running then.
     paused = collector_paused() if quantizer is None and transform is None else nullcontext()
     sums = ShardSums(module, [t for t in plan.targets if routes[id(t)].kind == QuantizedShardRows.kind])
+    ahead = lambda t: routes[id(t)].final and not routes[id(t)].staged  # noqa: E731  (the stager reads those)
     try:
         with torch.no_grad(), paused, row_workers_for(routes.values()) as workers:
             reader = Reader(module, ckpt, plan, combine, scratch_size(plan, routes), transform, workers)
+            reader.staged = stager
             for target, tensor in read_ahead(plan.targets, lambda t: routes[id(t)].read(reader),
-                                             lambda t: t.read_nbytes, window, accept=lambda t: routes[id(t)].final):
+                                             lambda t: t.read_nbytes, window, accept=ahead):
                 route = routes[id(target)]
                 _install(module, target, tensor, quantizer, None if route.transformed else transform, sums)
                 del tensor
@@ -89,7 +111,13 @@ def stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quant
                 bar.update(target.read_nbytes)
     finally:
         bar.close()
-    return tensors, nbytes, mapped
+    return tensors, nbytes
+
+
+def path_device(plan: LoadPlan) -> torch.device | None:
+    """The device whose tensors take the device path: the first one of the plan with a copy engine
+    (``copies.ENGINES``: CUDA), or None."""
+    return next((t.device for t in plan.targets if t.device.type in ENGINES), None)
 
 
 def _install(module: nn.Module, target: Target, tensor: Payload, quantizer: Quantizer | None,

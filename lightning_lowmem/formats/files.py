@@ -33,18 +33,23 @@ import stat
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from lightning_lowmem.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, CheckpointReadError
-from lightning_lowmem.system import read_at
+from lightning_lowmem.system import advise, read_at, read_cached
 
 CHECK_SECONDS = 0.05
 """How often, at least, small reads check that the file did not change (two system calls: 100,000 scalar
 tensors read one by one spent a fifth of their time checking)."""
 CHECK_BYTES = 2**20
 """Reads of this many bytes or more always check it first."""
+ADVISE_BYTES = 64 * 2**20
+"""Bytes past each read that the kernel is asked to start reading now (``posix_fadvise(WILLNEED)``), so that a file
+not in the page cache keeps the disk busy while the bytes read are cast, copied or quantized: see
+:meth:`OpenedFile.read_into`."""
 
 
 def open_regular(path: Path) -> int:
@@ -81,6 +86,11 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def _read_in_order(fd: int) -> None:
+    """Tell the kernel the file is read mostly in order (``POSIX_FADV_SEQUENTIAL``: its read-ahead window doubles)."""
+    advise(fd, 0, 0, "SEQUENTIAL")
+
+
 def read_error(path: Path, action: str, error: OSError) -> CheckpointReadError:
     """A system error opening or reading ``path`` as one of ours, with its ``errno`` and what to do."""
     return CheckpointReadError(
@@ -99,14 +109,19 @@ _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.in
 """Dtypes numpy has: a tensor of one is seen as bytes in one step (the other way costs 2 us, per tensor)."""
 
 
-def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+def read_exactly(fd: int, out: torch.Tensor, offset: int, path: Path,
+                 cold: Callable[[], None] | None = None) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` starting at ``offset`` (``preadv``, no copy
-    between; where there is none, ``pread`` and a copy: ``system.read_at``)."""
+    between; where there is none, ``pread`` and a copy: ``system.read_at``). What the page cache holds is read
+    first without waiting for the disk (``RWF_NOWAIT``); when that is not all of it, ``cold()`` is called before the
+    rest is read (the reader asks the kernel to read ahead)."""
     if out.dtype in _NUMPY_DTYPES:
         buffer = memoryview(out.numpy()).cast("B")
     else:  # bfloat16, float8: numpy has no such dtype; seen as uint8 first
         buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    done = 0
+    done = read_cached(fd, buffer, offset)
+    if done < len(buffer) and cold is not None:
+        cold()
     while done < len(buffer):
         try:
             n = read_at(fd, buffer[done:], offset + done)
@@ -180,6 +195,8 @@ class OpenedFile:
         self._mapped: torch.Tensor | None = None
         self._checked_at = time.monotonic()  # when the file was last checked
         self._lock = threading.Lock()  # reopening is one thread's job
+        self._advised = 0  # the end of the bytes the kernel was last asked to read ahead
+        _read_in_order(fd)
 
     def __getstate__(self) -> dict:
         """What another rank needs to read this file without parsing its headers again: everything but the
@@ -203,6 +220,7 @@ class OpenedFile:
         parsed is told by :meth:`fingerprint` (by content: each node's copy has its own modification time)."""
         fd = open_regular(self.path)
         self._descriptor, self._stat, self._received = fd, _identity(os.fstat(fd)), False
+        _read_in_order(fd)
 
     def header_spans(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of the bytes the reader parsed its headers from (each format says)."""
@@ -243,6 +261,7 @@ class OpenedFile:
         if _identity(os.fstat(fd)) != self._stat:
             os.close(fd)
             raise self._changed("was replaced by another file or changed")
+        _read_in_order(fd)
         return fd
 
     @property
@@ -315,11 +334,25 @@ class OpenedFile:
         self._check_span(offset, out.nbytes)
         if out.numel():
             try:
-                read_exactly(self._fd, out, offset, self.path)
+                read_exactly(self._fd, out, offset, self.path, lambda: self._advise_ahead(offset + out.nbytes))
             except CheckpointFormatError:
                 self.check_unchanged()  # a file cut short since it was opened says so
                 raise
         return out
+
+    def _advise_ahead(self, end: int) -> None:
+        """Ask the kernel to start reading the :data:`ADVISE_BYTES` after ``end`` (where this read stops), unless at
+        least half of them were asked for already. Called only for a read the page cache could not serve whole
+        (:func:`read_exactly`): from a cold page cache, the next tensors' bytes are then on their way while this one
+        is handled (see ``docs/benchmarks.md``, "Cold page cache"); a warm load makes no such call."""
+        ahead = self._advised - end
+        if ADVISE_BYTES // 2 <= ahead <= ADVISE_BYTES:
+            return
+        start = end + ahead if 0 <= ahead < ADVISE_BYTES // 2 else end
+        stop = min(self.size, end + ADVISE_BYTES)
+        if stop > start:
+            advise(self._fd, start, stop - start, "WILLNEED")  # a filesystem that takes none reads as before
+        self._advised = stop
 
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (fewer at the end of the file)."""

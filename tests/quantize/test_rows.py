@@ -89,3 +89,26 @@ def test_file_cut_short_while_a_weight_is_read_by_rows(tmp_path, monkeypatch, qu
     assert len(set(calls)) == 2  # it failed in that weight, after quantizing another
     assert all(t.is_meta for t in model.state_dict().values())
     assert all(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.int8", "torchao.int8wo",
+                                                "torchao.int8dq", "torchao.nf4"] if s in ON_CPU])
+def test_whole_weights_are_the_bytes_of_blocks_of_rows(monkeypatch, scheme, quant_checkpoint, quant_load,
+                                                       assert_same_weights, forward_logits):
+    """On a device a weight is quantized whole (``rows.by_blocks``): with the CPU's own kernels, whole weights give
+    the bytes blocks of rows give (blocks of 1000 elements here, so that every weight has several)."""
+    monkeypatch.setattr(rows, "CHUNK_ELEMENTS", 1000)
+    blocks, _ = quant_load(quant_checkpoint, quantize=scheme)
+    calls: list[tuple[int, ...]] = []
+    real = rows.RowSource.whole
+
+    def whole(self):
+        calls.append(self.shape)
+        return real(self)
+
+    monkeypatch.setattr(rows, "by_blocks", lambda device: False)
+    monkeypatch.setattr(rows.RowSource, "whole", whole)
+    model, report = quant_load(quant_checkpoint, quantize=scheme)
+    assert report.quantized and calls  # quantized whole
+    assert_same_weights(model, blocks)
+    torch.testing.assert_close(forward_logits(model), forward_logits(blocks), rtol=0, atol=0)
