@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
-from lightning_lowmem.engine.disk_tier import on_disk_targets, open_disk_tier
+from lightning_lowmem.runtime.disk_tier import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
@@ -44,7 +44,8 @@ from lightning_lowmem.formats.crc_pieces import check_unchecked
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
-from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
+from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of
+from lightning_lowmem.runtime import dispatch
 from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
 from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
 from lightning_lowmem.quiet import quietly

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
-from lightning_lowmem.engine.disk_units import check_streamable
+from lightning_lowmem.runtime.disk_units import check_streamable
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord

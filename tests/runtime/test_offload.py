@@ -23,7 +23,7 @@ from lightning_lowmem import (
     placement_plan,
     sequential_offload,
 )
-from lightning_lowmem.placement import offloaded
+from lightning_lowmem.runtime import offloaded
 from lightning_lowmem.quantize import module_nbytes, tensor_nbytes
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.engine.layer_buffers import Slot, lay_out
+from lightning_lowmem.runtime.layer_buffers import Slot, lay_out
 from lightning_lowmem.engine.reader import Payload
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.engine.routes import route_of

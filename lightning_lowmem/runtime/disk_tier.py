@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_lowmem.engine.disk_units import ON_DISK, DiskUnit
+from lightning_lowmem.runtime.disk_units import ON_DISK, DiskUnit
 from lightning_lowmem.engine.prepare import PreparedLoad
-from lightning_lowmem.engine.layer_buffers import LayerBuffers, Slot, to_device, view
+from lightning_lowmem.runtime.layer_buffers import LayerBuffers, Slot, to_device, view
 from lightning_lowmem.engine.reader import Payload, Reader, SharedParts
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.errors import CheckpointChangedError, CheckpointError
