@@ -44,6 +44,28 @@ def test_workers_run_single_threaded_and_leave_every_other_threads_count_alone(t
     assert _in_new_thread(torch.get_num_threads) == later_before
 
 
+def test_two_loads_quantizing_at_once_do_not_put_back_each_others_count(two_threads):
+    """Two threads entering RowWorkers again and again, side by side (two loads at once): each put back the
+    process-wide number it read, and one could read the other's workers' 1 and put that back for good."""
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for _ in range(15):
+                with RowWorkers(2) as workers:
+                    list(workers.map(lambda i: torch.get_num_threads(), 2))
+        except BaseException as e:  # noqa: BLE001  (raised below, on the test's thread)
+            errors.append(e)
+
+    loads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in loads:
+        thread.start()
+    for thread in loads:
+        thread.join()
+    assert not errors
+    assert torch.get_num_threads() == 2 and _in_new_thread(torch.get_num_threads) == 2
+
+
 def test_row_workers_follow_the_callers_thread_count(two_threads):
     assert row_workers(torch.device("cpu")) == 2
     assert row_workers(torch.device("meta")) == 1
