@@ -10,14 +10,6 @@ import torch
 from lightning_lowmem.threads import in_new_thread, keeping_process_threads, own_threads, process_threads
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_own_threads_changes_the_calling_thread_only_and_restores_it(two_threads):
     lowered = own_threads(1)
     assert torch.get_num_threads() == 1

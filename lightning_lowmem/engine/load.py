@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
-from lightning_lowmem.runtime.disk_tier import on_disk_targets, open_disk_tier
+from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved

@@ -12,36 +12,20 @@ import lightning_lowmem.quantize.rows as rows
 from lightning_lowmem.quantize import make_scheme, schemes_available_on
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.workers import RowWorkers, row_workers
-
-
-def _in_new_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
-    thread.start()
-    thread.join()
-    return out[0]
-
-
-@pytest.fixture
-def two_threads():
-    """The caller runs with two intra-op threads (whatever the machine has), put back after the test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+from lightning_lowmem.threads import in_new_thread
 
 
 def test_workers_run_single_threaded_and_leave_every_other_threads_count_alone(two_threads):
     """Each worker runs its kernels on one intra-op thread; the caller's count and the count a thread started
     later gets are what they were before, during the load and after it."""
-    later_before = _in_new_thread(torch.get_num_threads)
+    later_before = in_new_thread(torch.get_num_threads)
     with RowWorkers(2) as workers:
         inside = list(workers.map(lambda i: torch.get_num_threads(), 4))
         assert torch.get_num_threads() == 2
-        assert _in_new_thread(torch.get_num_threads) == later_before
+        assert in_new_thread(torch.get_num_threads) == later_before
     assert inside == [1, 1, 1, 1]
     assert torch.get_num_threads() == 2
-    assert _in_new_thread(torch.get_num_threads) == later_before
+    assert in_new_thread(torch.get_num_threads) == later_before
 
 
 def test_two_loads_quantizing_at_once_do_not_put_back_each_others_count(two_threads):
@@ -63,7 +47,7 @@ def test_two_loads_quantizing_at_once_do_not_put_back_each_others_count(two_thre
     for thread in loads:
         thread.join()
     assert not errors
-    assert torch.get_num_threads() == 2 and _in_new_thread(torch.get_num_threads) == 2
+    assert torch.get_num_threads() == 2 and in_new_thread(torch.get_num_threads) == 2
 
 
 def test_row_workers_follow_the_callers_thread_count(two_threads):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,7 @@ from lightning_lowmem import (
     save_checkpoint,
 )
 from lightning_lowmem.litgpt.generation import load_for_generation
+from lightning_lowmem.threads import in_new_thread
 
 IDS = [5, 17, 3, 99, 42, 8]
 
@@ -145,7 +146,7 @@ def test_a_forward_recording_gradients_is_refused(streamed):
     model, report, _, _ = streamed()
     with pytest.raises(RuntimeError, match=r"torch.no_grad\(\)"):
         model(torch.randint(0, 100, (1, 4)))
-    assert all(not p.requires_grad for unit in report.disk.units.values() for p in unit.module.parameters())
+    assert all(not p.requires_grad for module in report.disk.modules.values() for p in module.parameters())
     with torch.no_grad():  # the refused forward left nothing installed
         model(torch.randint(0, 100, (1, 4)))
     report.disk.close()
@@ -164,57 +165,63 @@ def test_close_puts_the_layers_on_disk_back_on_meta_and_closes_the_file(streamed
         model(torch.randint(0, 100, (1, 4)))
 
 
-def test_dropping_the_model_closes_the_file(streamed):
-    """Closed by the collector; a read started ahead (the first layer's, begun at load) keeps the tier until it
-    ends, so a busy machine may need a few collections."""
+@pytest.mark.parametrize("keep_report", [False, True])
+def test_dropping_the_model_closes_the_file_and_stops_the_reading_thread_at_once(streamed, keep_report):
+    """No collector pass: the model holds the tier, the tier holds the model weakly; a read started ahead (the first
+    layer's, begun at load) ends first."""
     model, report, _, path = streamed()
-    assert open_descriptors(path) == 1
-    del model, report
-    for _ in range(200):
-        gc.collect()
-        if open_descriptors(path) == 0:
-            break
-        time.sleep(0.05)
-    assert open_descriptors(path) == 0
+    assert open_descriptors(path) == 1 and reading_threads() == 1
+    gc.disable()
+    try:
+        del model
+        if not keep_report:
+            del report
+        assert open_descriptors(path) == 0 and reading_threads() == 0
+    finally:
+        gc.enable()
+    if keep_report:
+        report.disk.close()  # the model is gone: nothing to put back, nothing to raise
+
+
+def reading_threads() -> int:
+    return sum(t.name.startswith("lowmem-disk") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_forward_leaves_a_core_to_a_read_running_beside_it_and_gives_it_back(streamed, threads):
     """While the next layer's read runs, the forward computes on one thread fewer (the read is a copy that takes a
-    core); the caller's setting is back after the forward. The reading thread is held by a gate here, so the
-    read is still running when the first layer on disk computes."""
-    import threading
-
+    core); the caller's count is back after the forward, and a thread started during the forward gets the caller's
+    count, not the lowered one. The reading thread is held by a gate here, so the read is still running when the
+    first layer on disk computes."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model, report, reference, _ = streamed()
         tier = report.disk
-        first = next(iter(tier.units.values())).module
+        first = next(iter(tier.modules.values()))
         gate, seen = threading.Event(), []
 
         def during(module: nn.Module, args: tuple) -> None:  # runs after the tier's hook on the same module
-            running = tier._pending is not None and not tier._pending[2].done()
-            seen.append((torch.get_num_threads(), running))
+            seen.append((torch.get_num_threads(), tier._reading(), in_new_thread(torch.get_num_threads)))
             gate.set()
 
         handle = first.register_forward_pre_hook(during)
         x = torch.randint(0, 100, (1, 7))
         with torch.no_grad():
-            tier._pool.submit(gate.wait)  # the reading thread is busy until the first layer on disk runs
+            tier.source.executor.submit(gate.wait)  # the reading thread is busy until the first layer on disk runs
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
             assert torch.get_num_threads() == threads
             handle.remove()
             model(x)
-        assert seen == [(max(threads - 1, 1), True)]
-        assert torch.get_num_threads() == threads
-        # a module on disk run on its own, not through the model, while a read runs: close gives the core back
+        assert seen == [(max(threads - 1, 1), True, threads)]
+        assert torch.get_num_threads() == threads and in_new_thread(torch.get_num_threads) == threads
+        # a module on disk run on its own, not through the model: all of the caller's cores, nothing to give back
         held = threading.Event()
-        tier._pool.submit(held.wait)
+        tier.source.executor.submit(held.wait)
         with torch.no_grad():
             first(torch.randn(1, 7, reference.config.n_embd, dtype=torch.bfloat16),
                   *[t[None, :7] for t in (model.cos, model.sin)])
-        assert torch.get_num_threads() == max(threads - 1, 1)
+        assert torch.get_num_threads() == threads
         held.set()
         tier.close()
         assert torch.get_num_threads() == threads
@@ -322,7 +329,7 @@ def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(t
     (expected, _), (streamed, report) = models
     on_disk = sorted(m for layer in report.placement.on_disk for m in layer.modules if m.startswith("model.layers."))
     assert on_disk
-    buffers = {report.disk._buffers.buffer(i).untyped_storage().data_ptr() for i in (0, 1)}
+    buffers = {report.disk.source.buffers.buffer(i).untyped_storage().data_ptr() for i in (0, 1)}
     built = []
 
     def spy(*args, **kwargs):
