@@ -31,14 +31,14 @@ from lightning_lowmem.runtime.layer_buffers import Slot, view
 def open_disk_tier(prepared: PreparedLoad, ckpt: Checkpoint) -> DiskTier | None:
     """The disk tier of a prepared load whose placement left layers on disk (None when it left none): placeholders
     in their modules, hooks on, the first one's read started."""
-    placement = prepared.placement
-    if placement is None or not placement.on_disk:
+    layers = prepared.execution.on_disk if prepared.execution is not None else []
+    if not layers:
         return None
     targets = on_disk_targets(prepared)
     units = []
-    for layer in placement.on_disk:
+    for layer in layers:
         names = set(layer.tensors)
-        units.append(DiskUnit.of(layer.name, layer.modules, [t for t in targets if t.names[0] in names]))
+        units.append(DiskUnit.of(layer.name, list(layer.modules), [t for t in targets if t.names[0] in names]))
     traits = Traits.of(LoadPlan(targets), ckpt, transform=prepared.transform)
     reads = LayerReads(ckpt, units, traits, combine=prepared.combine, transform=prepared.transform)
     return DiskTier(prepared.module, units, reads, description=ckpt.description, device=prepared.device)

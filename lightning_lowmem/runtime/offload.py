@@ -25,6 +25,8 @@ from torch import nn
 
 from lightning_lowmem.placement.layers import find_blocks
 from lightning_lowmem.placement.place import PlacementPlan
+from lightning_lowmem.plan import LoadPlan
+from lightning_lowmem.runtime.execution import ExecutionPlan
 from lightning_lowmem.runtime.host_copies import HostCopies, Weights
 from lightning_lowmem.runtime.streamer import LayerStreamer
 
@@ -106,22 +108,22 @@ def layer_offload(model: nn.Module, device: torch.device | str, *, layers: list[
     return Offload(model, modules, device, host=host, prefetch=prefetch, pin=pin)
 
 
-def dispatch(model: nn.Module, placement: PlacementPlan, *, device: torch.device | str | None = None,
+def dispatch(model: nn.Module, plan: PlacementPlan | ExecutionPlan, *, device: torch.device | str | None = None,
              prefetch: bool | None = None) -> Offload | None:
-    """Layer offload for the layers ``placement`` put on the CPU (None when there are none).
+    """Layer offload for the layers the plan keeps on the CPU (None when there are none).
 
     Args:
         model: the loaded model (its other layers on the execution device).
-        placement: the plan the model was loaded with.
+        plan: the placement the model was loaded with, or the execution plan made from it.
         device: the execution device; default: the plan's.
         prefetch: default: when the plan left room for two streamed layers.
     """
-    offloaded = placement.offloaded
-    if not offloaded or placement.offload_device is None:
+    execution = plan if isinstance(plan, ExecutionPlan) else ExecutionPlan.of(LoadPlan([]), plan, plan.execution_device)
+    placement = execution.placement
+    if placement is None or not execution.offloaded:
         return None
-    names = [name for layer in offloaded for name in layer.modules]
-    return layer_offload(model, device or placement.execution_device, layers=names,
-                         host=placement.offload_device,
+    names = [name for layer in execution.offloaded for name in layer.modules]
+    return layer_offload(model, device or execution.device, layers=names, host=placement.offload_device,
                          prefetch=placement.prefetch if prefetch is None else prefetch)
 
 
