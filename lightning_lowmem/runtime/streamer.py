@@ -4,7 +4,7 @@ source for its own forward while the one before it computes.
 ::
 
     LayerStreamer(root, modules, source, device)
-        the root's forward        runs inside a try/finally (forward hooks miss a KeyboardInterrupt); its end, on
+        the root's forward        runs inside a try/finally (``guard.py``: forward hooks miss a KeyboardInterrupt); its end, on
                                   every way out: what is installed released, the thread count back, the held reads
                                   dropped, the next forward's first fetch started (a source that reads ahead
                                   cyclically)
@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.quantize import tensor_nbytes
+from lightning_lowmem.runtime.guard import guard, unguard
 from lightning_lowmem.runtime.source import Fetched, Source
 from lightning_lowmem.threads import OwnThreads, own_threads
 
@@ -116,7 +117,7 @@ class LayerStreamer:
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_pre_hook(_before(me, name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_after(me, name), always_call=True))
-        _guard(root, self)
+        guard(root, self)
         self._finalizer = weakref.finalize(root, source.shutdown)
 
     @property
@@ -136,10 +137,9 @@ class LayerStreamer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._end()
+        self.end_forward()
         root = self._root()
-        if root is not None and isinstance(root.__dict__.get("forward"), _Guarded):
-            root.__dict__["forward"].unguard(root, self)
+        unguard(root, self)
         self.source.detach(root)
         self._finalizer()
 
@@ -153,12 +153,13 @@ class LayerStreamer:
 
     # ---- the forward of the root
 
-    def _begin(self) -> None:
+    def begin_forward(self) -> None:
+        """Start of the root's forward."""
         self._forward = True
         if not self.source.cyclic:
             self._prev = None  # a cyclic source learns the step from one forward's last module to the next's first
 
-    def _end(self, hooks_follow: bool = False) -> None:
+    def end_forward(self, hooks_follow: bool = False) -> None:
         """End of the root's forward (on every way out): releases, the thread count back, the next fetch started.
 
         ``hooks_follow``: the root's forward hooks run after this (it returned, or raised an ``Exception``), so a root
@@ -347,54 +348,3 @@ def _after(ref: weakref.ref[LayerStreamer], name: str) -> Callable[..., None]:
         if streamer is not None:
             streamer.after(name)
     return hook
-
-
-class _Guarded:
-    """The root's forward inside a try/finally, so that the streamer's end runs on every way out (forward hooks miss
-    a ``KeyboardInterrupt``: torch runs ``always_call`` hooks for an ``Exception`` only). Set on the root instance;
-    it holds the streamer (so the model keeps it alive) and the root weakly (so dropping the model frees it)."""
-
-    def __init__(self, root: nn.Module, streamer: LayerStreamer) -> None:
-        self._root = weakref.ref(root)
-        self._own = root.__dict__.get("forward")  # a forward set on the instance before, called as it was
-        self.streamers = [streamer]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        root = self._root()
-        forward = self._own if self._own is not None else type(root).forward.__get__(root)
-        streamers = list(self.streamers)
-        for streamer in streamers:
-            streamer._begin()
-        try:
-            result = forward(*args, **kwargs)
-        except Exception:
-            _end_all(streamers, hooks_follow=True)
-            raise
-        except BaseException:
-            _end_all(streamers, hooks_follow=False)  # no forward hook runs after a KeyboardInterrupt
-            raise
-        _end_all(streamers, hooks_follow=True)
-        return result
-
-    def unguard(self, root: nn.Module, streamer: LayerStreamer | None = None) -> None:
-        """Take ``streamer`` off (all of them when None); the root's own forward back once none is left."""
-        self.streamers = [s for s in self.streamers if streamer is not None and s is not streamer]
-        if self.streamers:
-            return
-        if self._own is not None:
-            root.__dict__["forward"] = self._own
-        else:
-            root.__dict__.pop("forward", None)
-
-
-def _end_all(streamers: list[LayerStreamer], hooks_follow: bool) -> None:
-    for streamer in reversed(streamers):
-        streamer._end(hooks_follow)
-
-
-def _guard(root: nn.Module, streamer: LayerStreamer) -> None:
-    current = root.__dict__.get("forward")
-    if isinstance(current, _Guarded):
-        current.streamers.append(streamer)  # a second streamer on the same model (offload and a disk tier)
-    else:
-        root.__dict__["forward"] = _Guarded(root, streamer)
