@@ -314,3 +314,27 @@ def test_cuda_offload_on_a_gpu_without_bf16_computes_in_fp16_and_matches_the_res
         out, expected = model(idx), resident(idx)
     assert out.dtype == expected.dtype == torch.float16
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_tensor_two_offloaded_modules_share_has_one_master_counted_once():
+    """A tied embedding and head offloaded as two modules: one master (``offloaded_bytes`` counted it twice)."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.h = nn.Embedding(100, 16), nn.ModuleList([nn.Linear(16, 16)])
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.h[0](self.wte(x)))
+
+    torch.manual_seed(0)
+    model = Tied().eval()
+    reference = copy.deepcopy(model)
+    handle = layer_offload(model, "cpu", layers=["wte", "h.0", "head"])
+    assert handle.offloaded_bytes == (100 * 16 + 16 * 16 + 16) * 4
+    assert handle.weights["wte"].masters[0] is handle.weights["head"].masters[0]
+    x = torch.randint(0, 100, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model.head.weight is model.wte.weight
