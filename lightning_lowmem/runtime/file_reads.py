@@ -119,9 +119,14 @@ class FileReads(Source):
         return Fetched(name, tensors, event, claim, host, reads=1, bytes_read=unit.read_nbytes)
 
     def held(self, name: str) -> Fetched | None:
-        """The read of ``name``'s layer this forward, when its tied module ran first (on CUDA copied again)."""
+        """The read of ``name``'s layer this forward, when its tied module ran first (on CUDA copied again). A read
+        serves each module of the layer once: a module that runs again starts a new pass (a forward that skipped
+        the head, a module run on its own), read again."""
         unit = self._unit_of[name]
         read = self._held.get(unit.name)
+        if read is not None and name in self._ran.get(unit.name, ()):
+            self._drop(unit.name)
+            read = None
         if read is None:
             return None
         if self.device.type != "cuda":
@@ -142,20 +147,23 @@ class FileReads(Source):
             self._using[name] = fetched.claim
         unit.install(self._root(), fetched.tensors, self.device)
 
-    def release(self, name: str, fetched: Fetched, in_forward: bool) -> None:
+    def release(self, name: str, fetched: Fetched) -> None:
         unit = self._unit_of[name]
         unit.release()
         self._using.pop(name, None)
         if unit.held:
             ran = self._ran.setdefault(unit.name, set())
             ran.add(name)
-            if not in_forward or ran >= set(unit.modules):  # read again for the next forward
-                self._held.pop(unit.name, None)
-                ran.clear()
+            if ran >= set(unit.modules):  # every module served: read again for the next forward
+                self._drop(unit.name)
 
     def end_forward(self) -> None:
         self._held.clear()
         self._ran.clear()
+
+    def _drop(self, layer: str) -> None:
+        self._held.pop(layer, None)
+        self._ran.pop(layer, None)
 
     def check_forward(self, name: str) -> None:
         if torch.is_grad_enabled():

@@ -14,6 +14,7 @@ the model frees it, with no collector pass).
 
 from __future__ import annotations
 
+import copy as copy_module
 import inspect
 import weakref
 from typing import Any, Protocol
@@ -55,6 +56,15 @@ class Guarded:
             raise
         _end_all(streamers, hooks_follow=True)
         return result
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the model is not streamed (its hooks call the original's streamer): it gets the plain forward
+        of its own, never one that runs the original model."""
+        root = self._root()
+        copy = memo.get(id(root))
+        if self._own is not None:
+            return copy_module.deepcopy(self._own, memo)
+        return type(copy).forward.__get__(copy) if copy is not None else None
 
     def remove(self, root: nn.Module, streamer: LayerStreamer | None = None) -> None:
         """Take ``streamer`` off (all of them when None); the root's own forward back once none is left."""

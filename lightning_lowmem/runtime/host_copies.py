@@ -105,5 +105,5 @@ class HostCopies(Source):
     def install(self, name: str, fetched: Fetched) -> None:
         self.weights[name].install(fetched.tensors)
 
-    def release(self, name: str, fetched: Fetched, in_forward: bool) -> None:
+    def release(self, name: str, fetched: Fetched) -> None:
         self.weights[name].install(self.weights[name].masters)  # the device copy is dropped here

@@ -84,7 +84,7 @@ class Source:
     def install(self, name: str, fetched: Fetched) -> None:
         raise NotImplementedError
 
-    def release(self, name: str, fetched: Fetched, in_forward: bool) -> None:
+    def release(self, name: str, fetched: Fetched) -> None:
         raise NotImplementedError
 
     def end_forward(self) -> None:

@@ -168,7 +168,7 @@ class LayerStreamer:
         root = self._root() if hooks_follow else None
         try:
             for name in [n for n in self._active if self.modules[n] is not root]:
-                self.source.release(name, self._active.pop(name), False)
+                self.source.release(name, self._active.pop(name))
             self.source.end_forward()
             if not self.source.cyclic:
                 if self._prev is not None:
@@ -189,7 +189,7 @@ class LayerStreamer:
         if self._broken is not None:
             raise self.source.fetch_error(self._broken) from self._broken
         if name in self._active:  # left installed by a forward interrupted outside the root's forward
-            self.source.release(name, self._active.pop(name), False)
+            self.source.release(name, self._active.pop(name))
         if self._prev is not None and self._prev != name:
             self._next[self._prev] = name  # learn the order the forward really takes
         self._prev = name
@@ -207,7 +207,7 @@ class LayerStreamer:
     def after(self, name: str) -> None:
         fetched = self._active.pop(name, None)
         if fetched is not None:
-            self.source.release(name, fetched, self._forward)
+            self.source.release(name, fetched)
         self._account()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
