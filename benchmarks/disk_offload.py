@@ -31,6 +31,12 @@ the warm in-RAM run, compute alone, for both tables: a full overlap of reading a
 
     python benchmarks/disk_offload.py --quick            # pythia-160m, 1 round, 4 tokens: checks the script
     python benchmarks/disk_offload.py                    # pythia-1.4b, 3 rounds, warm and cold
+
+A before/after of a change: ``--against DIR`` (another checkout of lightning_lowmem) runs its ``lowmem disk`` too,
+from its own code (its copy of this script), interleaved with this one's in every round; ``--fractions`` and
+``--methods`` pick a subset::
+
+    python benchmarks/disk_offload.py --against ../main --fractions 5 --methods ram lowmem --no_hf_file --cache warm
 """
 
 from __future__ import annotations
@@ -228,12 +234,15 @@ def child(args: argparse.Namespace) -> dict:
 
 # ---------------------------------------------------------------- the parent: rounds, then the table
 
-def methods(quick_hf: bool) -> list[tuple[str, int]]:
-    """``(method, budget fraction denominator or 0)`` in the order each round runs them."""
+def methods(quick_hf: bool, against: bool = False, fractions: tuple[int, ...] = FRACTIONS,
+            only: list[str] | None = None) -> list[tuple[str, int]]:
+    """``(method, budget fraction denominator or 0)`` in the order each round runs them (``lowmem@``: the
+    ``--against`` checkout's ``lowmem``)."""
     out = [("read-speed", 0), ("ram", 0), ("ram-hf", 0)]
-    for n in FRACTIONS:
-        out += [("lowmem", n), ("accelerate", n)] + ([("lowmem-hf", n)] if quick_hf else [])
-    return out
+    for n in fractions:
+        out += [("lowmem", n), *([("lowmem@", n)] if against else []), ("accelerate", n)]
+        out += [("lowmem-hf", n)] if quick_hf else []
+    return [(m, n) for m, n in out if only is None or m.rstrip("@") in only or m == "read-speed"]
 
 
 def run_rounds(args: argparse.Namespace, weights: int) -> dict[tuple[str, str, int], list[dict]]:
@@ -241,14 +250,15 @@ def run_rounds(args: argparse.Namespace, weights: int) -> dict[tuple[str, str, i
     files = [f for d in prepare(args.workdir, args.model) for f in weight_files(d)]
     for round_ in range(args.rounds):
         for cache in args.cache:
-            for method, n in methods(args.hf_file):
+            for method, n in methods(args.hf_file, args.against is not None, args.fractions, args.methods):
                 if cache == "warm":  # in the page cache again, whatever the cold runs dropped
                     for file in files:
                         warm_page_cache(file)
-                flags = ["--child", method, "--child_cache", cache, "--budget", str(weights // n if n else 0),
-                         "--workdir", str(args.workdir), "--model", args.model, "--tokens", str(args.tokens),
-                         "--prompt", str(args.prompt)]
-                result = run_fresh(__file__, flags, timeout=args.timeout)
+                flags = ["--child", method.rstrip("@"), "--child_cache", cache, "--budget",
+                         str(weights // n if n else 0), "--workdir", str(args.workdir), "--model", args.model,
+                         "--tokens", str(args.tokens), "--prompt", str(args.prompt)]
+                script = args.against / "benchmarks" / "disk_offload.py" if method.endswith("@") else __file__
+                result = run_fresh(script, flags, timeout=args.timeout)
                 results.setdefault((cache, method, n), []).append(result)
                 shown = result.get("error") or f"{result.get('s_per_token', result.get('bandwidth', 0)):.3g}"
                 print(f"  round {round_ + 1} {cache:<4} {method:<10} 1/{n or '-':<3} {shown}", flush=True)
@@ -256,16 +266,18 @@ def run_rounds(args: argparse.Namespace, weights: int) -> dict[tuple[str, str, i
 
 
 NAMES = {"ram": "in RAM (lowmem)", "ram-hf": "in RAM (transformers)", "lowmem": "lowmem disk",
-         "lowmem-hf": "lowmem disk (HF file)", "accelerate": "accelerate disk offload"}
-REFERENCE = {"lowmem": "ram", "lowmem-hf": "ram", "accelerate": "ram-hf", "ram": "ram", "ram-hf": "ram-hf"}
+         "lowmem@": "lowmem disk (--against)", "lowmem-hf": "lowmem disk (HF file)",
+         "accelerate": "accelerate disk offload"}
+REFERENCE = {"lowmem": "ram", "lowmem@": "ram", "lowmem-hf": "ram", "accelerate": "ram-hf", "ram": "ram",
+             "ram-hf": "ram-hf"}
 
 
-def table(results: dict, cache: str, weights: int) -> tuple[str, list[str]]:
+def table(results: dict, cache: str, weights: int, args: argparse.Namespace) -> tuple[str, list[str]]:
     rows, notes = [], []
     speed = [r["bandwidth"] for r in results.get((cache, "read-speed", 0), []) if "bandwidth" in r]
     bandwidth = median(speed) if speed else None
     ram = _ok(results, "warm", "ram", 0) or _ok(results, cache, "ram", 0)  # compute alone: the warm run when made
-    for method, n in methods(True):
+    for method, n in methods(True, args.against is not None, args.fractions, args.methods):
         runs = results.get((cache, method, n))
         if method == "read-speed" or runs is None:
             continue
@@ -288,6 +300,12 @@ def table(results: dict, cache: str, weights: int) -> tuple[str, list[str]]:
                          f"{bandwidth / MiB:.0f} MiB/s), in RAM (warm) {compute:.3f} s/token: lowmem disk / max(bound, "
                          f"in RAM) = {median(per) / max(bound, compute):.2f}, / (bound + in RAM) = "
                          f"{median(per) / (bound + compute):.2f}" + _vs_accelerate(results, cache, n, per))
+        if method == "lowmem@" and _ok(results, cache, "lowmem", n):
+            ours = _ok(results, cache, "lowmem", n)
+            notes.append(f"- 1/{n}: this checkout / --against: s/token "
+                         f"{median([r['s_per_token'] for r in ours]) / median(per):.2f}, streamed MiB/token "
+                         f"{median([r['streamed'] for r in ours]) / streamed:.2f}, peak above pre-load "
+                         f"{median([r['peak_above'] for r in ours]) / median([r['peak_above'] for r in ok]):.2f}")
     if bandwidth:
         notes.insert(0, f"- read speed of the file ({cache}): {bandwidth / MiB:.0f} MiB/s (median of {len(speed)})")
     header = ["method", "CPU budget", "s/token median (range)", "peak RSS MiB", "peak above pre-load MiB",
@@ -317,6 +335,12 @@ def main() -> None:
     parser.add_argument("--no_hf_file", dest="hf_file", action="store_false",
                         help="leave out lowmem streaming the HF twin")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for one method's process")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another lightning_lowmem checkout: its lowmem disk runs too, interleaved (before/after)")
+    parser.add_argument("--fractions", type=int, nargs="+", default=list(FRACTIONS),
+                        help="CPU budgets as fractions 1/N of the weights; default 2 5 10")
+    parser.add_argument("--methods", nargs="+", default=None, choices=["ram", "ram-hf", "lowmem", "accelerate",
+                                                                         "lowmem-hf"], help="default: all")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child_cache", default="warm", help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
@@ -332,12 +356,14 @@ def main() -> None:
     lit_dir, _ = prepare(args.workdir, args.model)
     weights = sum(f.stat().st_size for f in weight_files(lit_dir))
     print(environment(["transformers", "accelerate", "litgpt", "safetensors"]))
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+          + (f"; --against {args.against}" if args.against else ""))
     print(f"model: {args.model} config, random weights, {weights / MiB:.0f} MiB of bf16 weights (file size); "
           f"CPU, batch 1, greedy, {args.prompt}-token prompt, {args.tokens} decode tokens timed each; "
           f"{args.rounds} rounds, one fresh process per method and round, interleaved; medians over rounds")
     results = run_rounds(args, weights)
     for cache in args.cache:
-        text, notes = table(results, cache, weights)
+        text, notes = table(results, cache, weights, args)
         print(f"\n### {cache} page cache\n\n{text}\n\n" + "\n".join(notes))
     print(f"\n(the whole run took {time.perf_counter() - started:.0f} s)")
 

@@ -6,7 +6,8 @@ The package follows the data flow; each folder imports only those above it in th
     formats/     checkpoint files: headers first, then one tensor (or block of rows) at a time
     plan/        the load plan: which module tensor comes from which key(s), dtype, device
     quantize/    quantization schemes, and the one rule that picks the Linears to quantize
-    placement/   budgets, layers, what a model family needs beyond its weights, offload
+    placement/   budgets, layers, what a model family needs beyond its weights, each layer's device
+    runtime/     how each layer runs after the load: offloaded layers copied in, layers on disk read, per forward
     engine/      LoadOptions, one prepared load, the streaming loop, LoadReport, the estimate
     lightning/   the Lightning faces: Fabric strategy, Trainer callback, registration
     litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
@@ -70,16 +71,9 @@ from lightning_lowmem.litgpt import (
 )
 from lightning_lowmem.memory import MemoryMonitor, MemoryUsage, Timeline, format_bytes, save_timeline
 from lightning_lowmem.meta import init_empty
-from lightning_lowmem.placement import (
-    CacheBytes,
-    Offload,
-    PlacementPlan,
-    dispatch,
-    enable_offload,
-    layer_offload,
-    sequential_offload,
-)
+from lightning_lowmem.placement import CacheBytes, PlacementPlan
 from lightning_lowmem.plan import Combine, GGUFConversion, gguf_config, gguf_to_transformers
+from lightning_lowmem.runtime import Offload, dispatch, enable_offload, layer_offload, sequential_offload
 from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers transformers' PreTrainedModel)
 
 register_when_lightning_loads()

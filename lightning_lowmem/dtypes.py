@@ -121,8 +121,10 @@ def supports_bf16(device: torch.device | str) -> bool:
     """Whether ``device`` runs bfloat16 natively.
 
     CPU: yes. CUDA: ``torch.cuda.is_bf16_supported(including_emulation=False)`` on that
-    device (compute capability 8.0+, or ROCm). Other devices: whether a bf16 tensor can be
-    made there. An :func:`assume_bf16_support` override for the device (or its type) wins.
+    device (compute capability 8.0+, or ROCm); a CUDA device this machine does not have (a
+    placement planned here for another machine): yes, the load decides on that machine. Other
+    devices: whether a bf16 tensor can be made there. An :func:`assume_bf16_support` override
+    for the device (or its type) wins.
 
     Example::
 
@@ -136,6 +138,8 @@ def supports_bf16(device: torch.device | str) -> bool:
     if device.type == "cpu" or device.type == "meta":
         return True
     if device.type == "cuda":
+        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+            return True
         with torch.cuda.device(device):
             return torch.cuda.is_bf16_supported(including_emulation=False)
     try:
@@ -167,11 +171,14 @@ def assume_bf16_support(device: torch.device | str, supported: bool) -> Iterator
             _OVERRIDES[key] = before
 
 
-def fallback_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
-    """``torch.float16`` (with a :class:`BF16FallbackWarning` naming ``device``) for bf16 on a device
-    without it; ``dtype`` otherwise."""
+def fallback_dtype(dtype: torch.dtype, device: torch.device | str, *, warn: bool = True) -> torch.dtype:
+    """``torch.float16`` (with a :class:`BF16FallbackWarning` naming ``device``, unless ``warn`` is False) for bf16
+    on a device without it; ``dtype`` otherwise. ``device`` is where the tensor computes (an offloaded layer's is
+    the execution device, not the CPU that stores it: ``runtime/execution.py``)."""
     if dtype != torch.bfloat16 or supports_bf16(device):
         return dtype
+    if not warn:
+        return torch.float16
     warnings.warn(
         f"{device} does not support bfloat16: loading in float16 instead, converting each tensor as it is read. "
         "fp16 has a narrower range than bf16; if outputs overflow (inf/nan), load in float32.",

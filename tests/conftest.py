@@ -117,6 +117,15 @@ def lora_config(tiny_config):
     return make
 
 
+@pytest.fixture
+def two_threads():
+    """The caller runs with two intra-op threads (whatever the machine has), put back after the test."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def lora_key_map():
     """litgpt's LoRA GPT wraps each Linear as ``<name>.linear``: the key map from the base model's keys to it."""

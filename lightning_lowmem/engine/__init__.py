@@ -6,7 +6,8 @@ sets); ``prepare`` decides the load from headers (plan, quantization, placement)
 the placement plan; ``stream`` reads
 each tensor alone (``readahead`` overlaps and reuses reads); ``load`` is
 ``load_checkpoint``; ``report`` says what a load did; ``estimate`` reads the same
-decision to say what a load and a generation will need; ``shards``, ``sharding`` and ``ranks``
+decision to say what a load and a generation will need; ``disk_reads`` hands the runtime (``runtime/``) the
+reading of the layers a load leaves on disk; ``shards``, ``sharding`` and ``ranks``
 load a model sharded across ranks (FSDP2), each rank its own part; ``save`` is
 ``save_checkpoint``, the way back. Every face (the Lightning
 strategy and callback, the litgpt helpers) goes through here.

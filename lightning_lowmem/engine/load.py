@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
-from lightning_lowmem.engine.disk_tier import on_disk_targets, open_disk_tier
+from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
 from lightning_lowmem.engine.resolve import resolved
@@ -44,8 +44,9 @@ from lightning_lowmem.formats.crc_pieces import check_unchecked
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
-from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of, dispatch
-from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_dtype_fallback
+from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of
+from lightning_lowmem.runtime import dispatch
+from lightning_lowmem.plan import Combine, KeyMap, LoadPlan
 from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
 from lightning_lowmem.quiet import quietly
 
@@ -204,7 +205,7 @@ def _load(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     allocation = None
     try:
         with agreement(sharded, "while reading its shard", share=True) as agreed:
-            apply_dtype_fallback(plan)  # bf16 -> fp16 per tensor on devices without bf16
+            prepared.execution.apply(plan)  # bf16 -> fp16 where a tensor computes on a device without bf16
             quantizer = prepare_quantization(module, prepared.selection, plan, prepared.device) \
                 if prepared.selection else None
             report = LoadReport(files=ckpt.paths, entry=ckpt.entry, skipped=plan.unexpected, missing=plan.missing,
@@ -256,7 +257,7 @@ def _finish(prepared: PreparedLoad, quantizer: Quantizer | None, report: LoadRep
     report.shard_bytes = shard_nbytes(module)
     check_no_meta(module, f"After loading {prepared.plan.files}")
     if prepared.placement is not None:
-        report.offload = dispatch(module, prepared.placement)
+        report.offload = dispatch(module, prepared.execution)
     if quantizer is not None:
         if report.disk is not None:  # weights stored quantized in modules on disk: loaded as stored at each forward
             stored = report.disk.stored_modules()

@@ -181,7 +181,8 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     for target in prepared.plan.targets:
         _add_target(est, route_of(target, traits), placement is not None and placement.is_on_disk(target.names[0]))
     if est.disk_weights:
-        est.disk_read, est.disk_buffers = placement.disk_read_bytes, est.disk_buffers + placement.disk_buffer_bytes
+        execution = prepared.execution  # the streamer's numbers: each layer on disk read once per forward
+        est.disk_read, est.disk_buffers = execution.read_nbytes, est.disk_buffers + execution.buffer_nbytes
         est.read_bandwidth = placement.read_bandwidth
     est.load_transient += LOAD_RUNTIME
     est.library = scheme.library_bytes if scheme is not None and est.quantized_params else 0

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
-from lightning_lowmem.engine.disk_units import check_streamable
+from lightning_lowmem.runtime.disk_units import check_streamable
+from lightning_lowmem.runtime.execution import ExecutionPlan
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
@@ -46,6 +47,8 @@ class PreparedLoad:
         selection: which Linears are quantized and why the others are not (None without ``quantize`` and
             without weights stored quantized).
         placement: the placement plan (None without ``max_memory``).
+        execution: how each layer runs, made from the placement: its tier, compute device and dtype
+            (``runtime/execution.py``).
         device: where buffers and caches go: the execution device, else ``options.device``, else CPU.
         source: the resolved checkpoint the plan was made from (its conversion, its stored weights).
     """
@@ -56,6 +59,7 @@ class PreparedLoad:
     source: Source
     selection: Selection | None = None
     placement: PlacementPlan | None = None
+    execution: ExecutionPlan | None = None
     device: torch.device = torch.device("cpu")
 
     @property
@@ -108,6 +112,7 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
         prepared.device = torch.device(prepared.placement.execution_device)
         if prepared.placement.on_disk:
             check_streamable(plan, prepared.placement, source.description)
+    prepared.execution = ExecutionPlan.of(plan, prepared.placement, prepared.device)
     return prepared
 
 

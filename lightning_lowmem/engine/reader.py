@@ -29,10 +29,11 @@ class Reader:
     ``transform``, and the threads that read and quantize blocks of rows (``workers``; None: one block at a time).
 
     ``destination``, when set, gives the memory a final tensor is read into (the disk tier's layer buffer,
-    ``engine/disk_tier.py``); without it each final tensor is new memory.
+    ``disk_reads.py``); without it each final tensor is new memory. ``module`` may be None where no DTensor shard
+    is read (the disk tier, which must not hold the model).
     """
 
-    def __init__(self, module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
+    def __init__(self, module: nn.Module | None, ckpt: Checkpoint, plan: LoadPlan, combine: Combine | None,
                  scratch_size: int = 0, transform: Transform | None = None, workers: RowWorkers | None = None) -> None:
         self.module, self.ckpt, self.combine, self.transform = module, ckpt, combine, transform
         self.workers = workers

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_lowmem.engine.disk_tier import DiskTier
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import MemoryUsage, format_bytes
-from lightning_lowmem.placement import Offload, PlacementPlan
+from lightning_lowmem.placement import PlacementPlan
+from lightning_lowmem.runtime import DiskTier, Offload
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
-from lightning_lowmem.engine.disk_units import ON_DISK
+from lightning_lowmem.runtime.disk_units import ON_DISK
 from lightning_lowmem.errors import MetaTensorError, UnsupportedQuantizationError, format_names
 from lightning_lowmem.formats.atomic_file import copy_new
 from lightning_lowmem.formats.safetensors_writer import (  # SCHEME_KEY: still importable from here

@@ -30,8 +30,9 @@ from lightning_lowmem.lightning.load import LightningLoader
 from lightning_lowmem.lightning.state import module_to_device_skipping_meta
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.meta import has_meta, init_empty
-from lightning_lowmem.placement import MaxMemory, Offload, move_except_offloaded
+from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.plan import KeyMap
+from lightning_lowmem.runtime import Offload, move_except_offloaded
 
 
 class LowMemCallback(pl.Callback):

@@ -45,6 +45,12 @@ class Layer:
     movable: bool = True
     device: str = ""
 
+    @property
+    def tied(self) -> bool:
+        """Whether it is modules joined by a tie (an embedding and the head that shares its weight): they run apart in
+        a forward, so a layer streamed in is kept from the first of them to the last (read once per forward)."""
+        return len(self.modules) > 1
+
 
 def find_blocks(module: nn.Module) -> str | None:
     """The name of the first ``nn.ModuleList`` in module order (the transformer blocks), or None."""

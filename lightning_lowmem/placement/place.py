@@ -18,9 +18,10 @@ device names need not exist on this machine.
 
 With the disk tier (``disk_offload=True``), a layer that fits no budget stays in the
 checkpoint file (device ``"disk"``) and is read for each of its forwards into one of two
-host buffers the size of the largest such layer (``engine/disk_tier.py``). The budgets hold
-what stays in memory; the two read buffers come beside them (``disk_buffer_bytes``), and
-each forward reads every layer on disk once (``disk_read_bytes``).
+host buffers the size of the largest such layer (``runtime/file_reads.py``); a layer of tied
+modules (an embedding and its head) into a buffer of its own, kept from the first of its modules
+to the last. The budgets hold what stays in memory; the read buffers come beside them
+(``disk_buffer_bytes``), and each forward reads every layer on disk once (``disk_read_bytes``).
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ class PlacementPlan:
 
     @property
     def disk_buffer_bytes(self) -> int:
-        """Host memory the layers on disk are read into, beside the budgets: two buffers of the largest of them."""
-        return DISK_BUFFERS * max((layer.nbytes for layer in self.on_disk), default=0)
+        """Host memory the layers on disk are read into, beside the budgets: two buffers of the largest of them, and
+        one of its own for each layer of tied modules (kept from the first of them to the last in a forward)."""
+        tied = sum(layer.nbytes for layer in self.on_disk if layer.tied)
+        return DISK_BUFFERS * max((layer.nbytes for layer in self.on_disk if not layer.tied), default=0) + tied
 
     def seconds_per_token(self, read_bandwidth: float | None = None) -> float | None:
         """Seconds each forward spends reading the layers on disk, at ``read_bandwidth`` bytes per second (default:
@@ -203,10 +206,13 @@ class PlacementPlan:
         return "\n".join(lines)
 
     def _disk_line(self) -> str:
-        n, largest = len(self.on_disk), self.disk_buffer_bytes // DISK_BUFFERS
+        n = len(self.on_disk)
+        tied = sum(layer.nbytes for layer in self.on_disk if layer.tied)
+        largest = (self.disk_buffer_bytes - tied) // DISK_BUFFERS
+        buffers = f"{DISK_BUFFERS} x {format_bytes(largest)}" + (f" + {format_bytes(tied)} (tied)" if tied else "")
         line = (f"  on disk (read from the checkpoint file for each forward): {n} layer{'s' if n > 1 else ''}, "
                 f"{format_bytes(self.weights_per_device()[DISK])}; {format_bytes(self.disk_read_bytes)} read per "
-                f"token, into {DISK_BUFFERS} x {format_bytes(largest)} host buffers beside the budgets")
+                f"token, into {buffers} host buffers beside the budgets")
         seconds = self.seconds_per_token()
         if seconds is not None:
             line += f"; ~{seconds:.3g} s/token reading at {format_bytes(self.read_bandwidth)}/s"

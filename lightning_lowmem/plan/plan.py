@@ -27,7 +27,6 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from lightning_lowmem.dtypes import fallback_dtype
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
 from lightning_lowmem.plan.combine import Combine, Stack, combined_record
@@ -346,23 +345,6 @@ def mismatch_message(plan: LoadPlan, missing: list[str] | None = None) -> str:
     parts.append("Pass key_map= to rename checkpoint keys (e.g. {'model.': ''}), or strict=False to load what "
                  "matches and list the rest in the report.")
     return " ".join(parts)
-
-
-def apply_dtype_fallback(plan: LoadPlan) -> dict[str, torch.dtype]:
-    """Turn every bf16 target of ``plan`` bound for a device without bf16 into fp16, warning once per device.
-
-    Returns:
-        Device -> the dtype bf16 tensors get there, for each device that fell back.
-    """
-    decided: dict[str, torch.dtype] = {}
-    for target in plan.targets:
-        if target.dtype != torch.bfloat16 or target.shard is not None:  # a shard keeps its DTensor's dtype
-            continue
-        key = str(target.device)
-        if key not in decided:
-            decided[key] = fallback_dtype(target.dtype, target.device)
-        target.dtype = decided[key]
-    return {device: dtype for device, dtype in decided.items() if dtype != torch.bfloat16}
 
 
 def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:

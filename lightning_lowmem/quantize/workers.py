@@ -12,12 +12,11 @@ Here ``count`` threads each take whole blocks, read them and quantize them with 
 barrier for another, and one block is read from the file while another is quantized. Per-block results are
 the same bytes whatever the thread count (the quantizers' reductions are max/min, their other ops elementwise).
 
-Thread settings: torch's intra-op thread count is a per-thread OpenMP setting (``omp_set_num_threads`` sets
-the calling thread's), plus one process-wide number that a thread starting later copies at its first parallel
-op. Each worker sets its own count with ``torch.set_num_threads``, which also writes that process-wide number;
-:class:`RowWorkers` puts it back as soon as the workers have started, from a thread of its own, so that no
-thread of the caller's sees a change: the caller's count is never touched, and a thread that starts later gets
-the count it would have got before. The workers end with the load.
+Thread settings follow the library's one policy (``threads.py``): each worker sets its own count as it starts,
+inside :func:`~lightning_lowmem.threads.keeping_process_threads`, which puts torch's process-wide number back
+once they have started and keeps another of the library's threads (a second load quantizing at once, a forward
+leaving a core to a read) from changing it meanwhile: the caller's count is never touched, and a thread that
+starts later gets the count it would have got before. The workers end with the load.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
+
+from lightning_lowmem.threads import keeping_process_threads
 
 R = TypeVar("R")
 
@@ -79,14 +80,13 @@ class RowWorkers:
         return cls(count, max(1, torch.get_num_threads() // count))
 
     def __enter__(self) -> RowWorkers:
-        before = _in_new_thread(torch.get_num_threads)  # what a thread starting now gets
         started = threading.Barrier(self.count + 1)
         self._workers = [threading.Thread(target=self._serve, args=(started,), name=f"lowmem-rows-{i}", daemon=True)
                          for i in range(self.count)]
-        for worker in self._workers:
-            worker.start()
-        started.wait()
-        _in_new_thread(lambda: torch.set_num_threads(before))  # put the process-wide number back
+        with keeping_process_threads():  # each worker sets its own count; the process-wide number is put back
+            for worker in self._workers:
+                worker.start()
+            started.wait()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -138,11 +138,3 @@ class RowWorkers:
                 if not future.cancelled():
                     future.exception()  # wait for it; its error, if any, is not the one that stopped the loop
 
-
-def _in_new_thread(fn: Callable[[], R]) -> R:
-    """``fn()`` run on a fresh thread (whose own thread settings do not matter), its result returned."""
-    out: list[R] = []
-    thread = threading.Thread(target=lambda: out.append(fn()), name="lowmem-threads")
-    thread.start()
-    thread.join()
-    return out[0]

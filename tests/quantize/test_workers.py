@@ -12,36 +12,42 @@ import lightning_lowmem.quantize.rows as rows
 from lightning_lowmem.quantize import make_scheme, schemes_available_on
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.workers import RowWorkers, row_workers
-
-
-def _in_new_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()))
-    thread.start()
-    thread.join()
-    return out[0]
-
-
-@pytest.fixture
-def two_threads():
-    """The caller runs with two intra-op threads (whatever the machine has), put back after the test."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+from lightning_lowmem.threads import in_new_thread
 
 
 def test_workers_run_single_threaded_and_leave_every_other_threads_count_alone(two_threads):
     """Each worker runs its kernels on one intra-op thread; the caller's count and the count a thread started
     later gets are what they were before, during the load and after it."""
-    later_before = _in_new_thread(torch.get_num_threads)
+    later_before = in_new_thread(torch.get_num_threads)
     with RowWorkers(2) as workers:
         inside = list(workers.map(lambda i: torch.get_num_threads(), 4))
         assert torch.get_num_threads() == 2
-        assert _in_new_thread(torch.get_num_threads) == later_before
+        assert in_new_thread(torch.get_num_threads) == later_before
     assert inside == [1, 1, 1, 1]
     assert torch.get_num_threads() == 2
-    assert _in_new_thread(torch.get_num_threads) == later_before
+    assert in_new_thread(torch.get_num_threads) == later_before
+
+
+def test_two_loads_quantizing_at_once_do_not_put_back_each_others_count(two_threads):
+    """Two threads entering RowWorkers again and again, side by side (two loads at once): each put back the
+    process-wide number it read, and one could read the other's workers' 1 and put that back for good."""
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for _ in range(15):
+                with RowWorkers(2) as workers:
+                    list(workers.map(lambda i: torch.get_num_threads(), 2))
+        except BaseException as e:  # noqa: BLE001  (raised below, on the test's thread)
+            errors.append(e)
+
+    loads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in loads:
+        thread.start()
+    for thread in loads:
+        thread.join()
+    assert not errors
+    assert torch.get_num_threads() == 2 and in_new_thread(torch.get_num_threads) == 2
 
 
 def test_row_workers_follow_the_callers_thread_count(two_threads):

@@ -3,9 +3,13 @@ layers on disk from the checkpoint file itself for each forward; a file changed 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-import time
+import signal
+import threading
+from collections import Counter
+from concurrent.futures import wait
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from lightning_lowmem import (
     save_checkpoint,
 )
 from lightning_lowmem.litgpt.generation import load_for_generation
+from lightning_lowmem.threads import in_new_thread
 
 IDS = [5, 17, 3, 99, 42, 8]
 
@@ -145,7 +150,7 @@ def test_a_forward_recording_gradients_is_refused(streamed):
     model, report, _, _ = streamed()
     with pytest.raises(RuntimeError, match=r"torch.no_grad\(\)"):
         model(torch.randint(0, 100, (1, 4)))
-    assert all(not p.requires_grad for unit in report.disk.units.values() for p in unit.module.parameters())
+    assert all(not p.requires_grad for module in report.disk.modules.values() for p in module.parameters())
     with torch.no_grad():  # the refused forward left nothing installed
         model(torch.randint(0, 100, (1, 4)))
     report.disk.close()
@@ -164,57 +169,63 @@ def test_close_puts_the_layers_on_disk_back_on_meta_and_closes_the_file(streamed
         model(torch.randint(0, 100, (1, 4)))
 
 
-def test_dropping_the_model_closes_the_file(streamed):
-    """Closed by the collector; a read started ahead (the first layer's, begun at load) keeps the tier until it
-    ends, so a busy machine may need a few collections."""
+@pytest.mark.parametrize("keep_report", [False, True])
+def test_dropping_the_model_closes_the_file_and_stops_the_reading_thread_at_once(streamed, keep_report):
+    """No collector pass: the model holds the tier, the tier holds the model weakly; a read started ahead (the first
+    layer's, begun at load) ends first."""
     model, report, _, path = streamed()
-    assert open_descriptors(path) == 1
-    del model, report
-    for _ in range(200):
-        gc.collect()
-        if open_descriptors(path) == 0:
-            break
-        time.sleep(0.05)
-    assert open_descriptors(path) == 0
+    assert open_descriptors(path) == 1 and reading_threads() == 1
+    gc.disable()
+    try:
+        del model
+        if not keep_report:
+            del report
+        assert open_descriptors(path) == 0 and reading_threads() == 0
+    finally:
+        gc.enable()
+    if keep_report:
+        report.disk.close()  # the model is gone: nothing to put back, nothing to raise
+
+
+def reading_threads() -> int:
+    return sum(t.name.startswith("lowmem-disk") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_forward_leaves_a_core_to_a_read_running_beside_it_and_gives_it_back(streamed, threads):
     """While the next layer's read runs, the forward computes on one thread fewer (the read is a copy that takes a
-    core); the caller's setting is back after the forward. The reading thread is held by a gate here, so the
-    read is still running when the first layer on disk computes."""
-    import threading
-
+    core); the caller's count is back after the forward, and a thread started during the forward gets the caller's
+    count, not the lowered one. The reading thread is held by a gate here, so the read is still running when the
+    first layer on disk computes."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         model, report, reference, _ = streamed()
         tier = report.disk
-        first = next(iter(tier.units.values())).module
+        first = next(iter(tier.modules.values()))
         gate, seen = threading.Event(), []
 
         def during(module: nn.Module, args: tuple) -> None:  # runs after the tier's hook on the same module
-            running = tier._pending is not None and not tier._pending[2].done()
-            seen.append((torch.get_num_threads(), running))
+            seen.append((torch.get_num_threads(), tier._reading(), in_new_thread(torch.get_num_threads)))
             gate.set()
 
         handle = first.register_forward_pre_hook(during)
         x = torch.randint(0, 100, (1, 7))
         with torch.no_grad():
-            tier._pool.submit(gate.wait)  # the reading thread is busy until the first layer on disk runs
+            tier.source.executor.submit(gate.wait)  # the reading thread is busy until the first layer on disk runs
             torch.testing.assert_close(model(x), reference(x), rtol=0, atol=0)
             assert torch.get_num_threads() == threads
             handle.remove()
             model(x)
-        assert seen == [(max(threads - 1, 1), True)]
-        assert torch.get_num_threads() == threads
-        # a module on disk run on its own, not through the model, while a read runs: close gives the core back
+        assert seen == [(max(threads - 1, 1), True, threads)]
+        assert torch.get_num_threads() == threads and in_new_thread(torch.get_num_threads) == threads
+        # a module on disk run on its own, not through the model: all of the caller's cores, nothing to give back
         held = threading.Event()
-        tier._pool.submit(held.wait)
+        tier.source.executor.submit(held.wait)
         with torch.no_grad():
             first(torch.randn(1, 7, reference.config.n_embd, dtype=torch.bfloat16),
                   *[t[None, :7] for t in (model.cos, model.sin)])
-        assert torch.get_num_threads() == max(threads - 1, 1)
+        assert torch.get_num_threads() == threads
         held.set()
         tier.close()
         assert torch.get_num_threads() == threads
@@ -322,7 +333,7 @@ def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(t
     (expected, _), (streamed, report) = models
     on_disk = sorted(m for layer in report.placement.on_disk for m in layer.modules if m.startswith("model.layers."))
     assert on_disk
-    buffers = {report.disk._buffers.buffer(i).untyped_storage().data_ptr() for i in (0, 1)}
+    buffers = {report.disk.source.buffers.buffer(i).untyped_storage().data_ptr() for i in (0, 1)}
     built = []
 
     def spy(*args, **kwargs):
@@ -362,3 +373,146 @@ def test_cuda_layers_on_disk_are_copied_to_the_device_and_match_the_model_in_mem
         torch.testing.assert_close(model(x.cuda()), expected, rtol=0, atol=0)
         torch.testing.assert_close(model(x.cuda()), expected, rtol=0, atol=0)
     report.disk.close()
+
+
+def test_a_tied_embedding_on_disk_is_read_once_per_forward(tmp_path, write_hf_dir, forward_logits, read_recorder):
+    """An HF Llama whose head is its embedding (saved once), both on disk: one layer, read once per forward into a
+    buffer of its own and kept from the embedding to the head. Bytes read == the plan's (the head read it again:
+    512,000 bytes where the plan said 256,000 in the report behind this), outputs exact."""
+    import transformers
+
+    hf, _ = write_hf_dir(tmp_path / "hf", "llama", hidden=64, tie=True, tokenizer=False)
+    with init_empty():
+        model = transformers.LlamaForCausalLM(hf.config).eval()
+    report = load_checkpoint(model, tmp_path / "hf", dtype=torch.float32, max_memory={"cpu": 20_000},
+                             disk_offload=True, progress=False)
+    placement, tier = report.placement, report.disk
+    tied = [layer for layer in placement.on_disk if layer.tied]
+    assert [sorted(layer.modules) for layer in tied] == [["lm_head", "model.embed_tokens"]]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expected = forward_logits(hf)
+    on_disk = {t.record.key: t.record.nbytes for unit in tier.units.values() for t in unit.targets}
+    assert tier.read_nbytes == placement.disk_read_bytes == sum(on_disk.values())
+    assert tier.buffer_bytes == pytest.approx(placement.disk_buffer_bytes, abs=64 * len(on_disk))
+    torch.testing.assert_close(forward_logits(model), expected, rtol=0, atol=0)  # the first forward learns the order
+    for _ in range(2):
+        read_ahead_done(tier)
+        read_recorder.calls.clear()
+        bytes_before = tier.stats.bytes_read
+        torch.testing.assert_close(forward_logits(model), expected, rtol=0, atol=0)
+        read_ahead_done(tier)  # the next forward's first layer, read as this one ends: one read of each, per forward
+        assert Counter(key for key, _, _ in read_recorder.calls) == dict.fromkeys(on_disk, 1)
+        assert tier.stats.bytes_read - bytes_before == placement.disk_read_bytes
+    tier.close()
+
+
+def read_ahead_done(tier) -> None:
+    """Wait until the read started ahead (if any) has ended, leaving it for the forward that takes it."""
+    if tier._pending is not None:
+        wait([tier._pending.future])
+
+
+def hold_a_read(tier, unit) -> tuple[threading.Event, threading.Event]:
+    """Hold ``unit``'s next read until the returned gate is set; the second event is set once its bytes are written."""
+    gate, written = threading.Event(), threading.Event()
+    read = tier.source._read
+
+    def held(layer, buffer):
+        if layer is unit and not gate.is_set():
+            gate.wait(10)
+            out = read(layer, buffer)
+            written.set()
+            return out
+        return read(layer, buffer)
+
+    tier.source._read = held
+    return gate, written
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, TimeoutError])
+def test_an_interrupted_forward_leaves_its_read_to_the_next_and_the_next_forwards_exact(streamed, interruption,
+                                                                                      two_threads):
+    """Ctrl-C (SIGINT) or a request timeout (a SIGALRM handler raising TimeoutError) while a forward waits for a
+    layer's read: the error is the caller's, as it was raised (not a CheckpointChangedError), the thread count is
+    back, and the read, still running, is waited for before its buffer is used again. The next forward lets that
+    read write (and waits for it) once its first layer on disk is installed: a read left running would land in
+    the buffer that layer computes from."""
+    model, report, reference, _ = streamed()
+    tier = report.disk
+    x = torch.randint(0, 100, (1, 9))
+    with torch.no_grad():
+        expected = reference(x)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # the order learned
+        first, third = list(tier.units.values())[0], list(tier.units.values())[2]
+        gate, written = hold_a_read(tier, third)
+        with raised_in(interruption, after=0.3), pytest.raises(interruption):
+            model(x)
+        assert torch.get_num_threads() == 2 and in_new_thread(torch.get_num_threads) == 2
+        assert tier._reading() and tier.stats.reads >= 0 and not tier._active
+
+        def land_it(module: nn.Module, args: tuple) -> None:
+            gate.set()
+            written.wait(10)
+
+        threading.Timer(1.0, gate.set).start()  # this tier waits for the read before the hook below runs
+        handle = model.get_submodule(first.modules[0]).register_forward_pre_hook(land_it)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+        handle.remove()
+        for _ in range(2):
+            torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert torch.get_num_threads() == 2
+    tier.close()
+
+
+def test_a_keyboard_interrupt_while_a_layer_computes_gives_the_cores_back_and_releases_it(streamed, two_threads):
+    """Forward hooks do not run after a KeyboardInterrupt (torch's always_call covers Exception only): the model's
+    guarded forward still gives the thread count back and puts the layer's placeholders back."""
+    model, report, reference, _ = streamed()
+    tier = report.disk
+    x = torch.randint(0, 100, (1, 9))
+    first = model.get_submodule(list(tier.units.values())[0].modules[0])
+    gate, seen = threading.Event(), []
+
+    def interrupt(module: nn.Module, args: tuple) -> None:  # after the tier's hook: installed, a read beside it
+        seen.append(torch.get_num_threads())
+        gate.set()
+        raise KeyboardInterrupt
+
+    with torch.no_grad():
+        expected = reference(x)
+        model(x)
+        read_ahead_done(tier)  # the first layer's, for this forward
+        handle = first.register_forward_pre_hook(interrupt)
+        tier.source.executor.submit(gate.wait)  # the second layer's read waits behind this: one core left to it
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        handle.remove()
+        assert seen == [1] and torch.get_num_threads() == 2 and in_new_thread(torch.get_num_threads) == 2
+        assert not tier._active and all(p.untyped_storage().nbytes() <= 4 for p in first.parameters())
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    tier.close()
+
+
+@contextlib.contextmanager
+def raised_in(error: type[BaseException], after: float):
+    """``error`` raised in this (the main) thread by a signal ``after`` seconds from now: SIGINT for a
+    KeyboardInterrupt (Python's own handler), SIGALRM for a TimeoutError (a handler as request timeouts set)."""
+    if error is KeyboardInterrupt:
+        timer = threading.Timer(after, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+        return
+
+    def timeout(signum, frame):
+        raise TimeoutError("the request took too long")
+
+    before = signal.signal(signal.SIGALRM, timeout)
+    signal.setitimer(signal.ITIMER_REAL, after)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)

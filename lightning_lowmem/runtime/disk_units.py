@@ -1,10 +1,12 @@
-"""The modules the disk tier reads for each forward (``disk_tier.py``): what each holds between forwards, where its
+"""The layers the disk tier reads for each forward (``file_reads.py``): what each holds between forwards, where its
 tensors go in a read buffer, and how they are put in and taken out.
 
 ::
 
     check_streamable(plan, placement)   before any read: nothing on disk would be quantized for every forward
-    DiskUnit.of(root, name, targets)    a module on disk: its targets, their routes, their slots in a buffer
+    DiskUnit.of(root, name, modules, targets)
+                                        a layer on disk (one module, or tied modules): its targets, their slots in a
+                                        buffer
         .place(root)                    placeholders in (one element each, expanded: no memory), remembered
         .install(root, tensors, device) its tensors pointed at what was read (a weight stored quantized: its layout)
         .release()                      the placeholders back, and every attribute the install changed
@@ -19,15 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.engine.layer_buffers import Slot, lay_out
-from lightning_lowmem.engine.reader import Payload
-from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
 from lightning_lowmem.meta import assign, check_meta_at_first_forward, owner_of
 from lightning_lowmem.placement import PlacementPlan
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.layouts import layout_of
+from lightning_lowmem.runtime.layer_buffers import Slot, lay_out
 
 ON_DISK = "_lowmem_on_disk"
 """Set on each module whose tensors stream from the checkpoint file (to the file's description): a save refuses it."""
@@ -76,43 +75,47 @@ def placeholder(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass
 class DiskUnit:
-    """One module read from disk: its targets, their routes, where each of its tensors lies in a read buffer.
+    """One layer read from disk: its modules (several when tied: an embedding and the head that shares its weight),
+    its targets, where each of its tensors lies in a read buffer.
 
     Attributes:
-        name: the module's name in the model.
-        module: the module.
-        targets: the plan's targets of its tensors.
-        routes: how each is read (the load's decision, ``routes.py``).
+        name: the layer's name in the placement (``'lm_head+transformer.wte'`` for tied modules).
+        modules: the names of its modules.
+        targets: the plan's targets of its tensors (a tensor its modules share: one target, read once).
         slots: where each target's tensors go in a buffer (a weight stored quantized: one slot per part).
         nbytes: the bytes its slots span.
-        modules: the modules its install touches: its own, and the owners of names it ties elsewhere.
+        owners: the modules its install touches: its own, and the owners of names it ties elsewhere.
     """
 
     name: str
-    module: nn.Module
+    modules: list[str]
     targets: list[Target]
-    routes: list[Route]
     slots: list[list[Slot]]
     nbytes: int
-    modules: list[nn.Module] = field(default_factory=list)
+    owners: list[nn.Module] = field(default_factory=list)
     _homes: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _changed: list[tuple[nn.Module, str, Any]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, root: nn.Module, name: str, targets: list[Target], traits: Traits) -> DiskUnit:
-        """The module ``name`` of ``root`` and its ``targets``, each routed with the load's ``traits``."""
+    def of(cls, name: str, modules: list[str], targets: list[Target]) -> DiskUnit:
+        """The layer ``name`` of modules ``modules`` and its ``targets``, laid out in a buffer."""
         specs = [_specs(target) for target in targets]
         layout, nbytes = lay_out(spec for target_specs in specs for spec in target_specs)
         slots, at = [], 0
         for target_specs in specs:
             slots.append(layout[at:at + len(target_specs)])
             at += len(target_specs)
-        return cls(name, root.get_submodule(name), targets, [route_of(t, traits) for t in targets], slots, nbytes)
+        return cls(name, list(modules), targets, slots, nbytes)
 
     @property
     def read_nbytes(self) -> int:
-        """Bytes read from the checkpoint for one forward of the module."""
-        return sum(route.read_nbytes for route in self.routes)
+        """Bytes read from the checkpoint for one read of the layer (each tensor once, tied ones too)."""
+        return sum(target.read_nbytes for target in self.targets)
+
+    @property
+    def held(self) -> bool:
+        """Whether its modules run apart (tied modules): read once per forward, kept until the last of them ran."""
+        return len(self.modules) > 1
 
     def place(self, root: nn.Module) -> None:
         """Placeholders for its tensors (frozen: they are read, never trained), remembered for :meth:`release`.
@@ -129,15 +132,15 @@ class DiskUnit:
                 if target.is_parameter:
                     home.requires_grad_(False)
                 self._homes.append((table, leaf, home, home.data))
-        inside = {id(m): m for m in self.module.modules()}
+        inside = {id(m): m for name in self.modules for m in root.get_submodule(name).modules()}
         outside = {id(m): m for t in self.targets for n in t.names for m in [owner_of(root, n)[0]]
                    if id(m) not in inside}
-        self.modules = [*inside.values(), *outside.values()]
+        self.owners = [*inside.values(), *outside.values()]
 
-    def install(self, root: nn.Module, tensors: list[Payload], device: torch.device) -> None:
-        """Point its tensors at ``tensors`` (one per target, as read); note every attribute that changes (a
-        bitsandbytes quant state) to undo it in :meth:`release`."""
-        before = [(m, dict(m.__dict__)) for m in self.modules]
+    def install(self, root: nn.Module, tensors: list[Any], device: torch.device) -> None:
+        """Point its tensors at ``tensors`` (one per target, as read: a tensor, or a stored weight's parts by key); note
+        every attribute that changes (a bitsandbytes quant state) to undo it in :meth:`release`."""
+        before = [(m, dict(m.__dict__)) for m in self.owners]
         for target, tensor in zip(self.targets, tensors):
             if isinstance(tensor, dict):  # a weight stored quantized: its parts, by checkpoint key
                 owner = root.get_submodule(target.names[0].rpartition(".")[0])
@@ -161,11 +164,12 @@ class DiskUnit:
         self._changed = []
 
     def unplace(self, root: nn.Module, advice: str) -> None:
-        """Its tensors back on meta for good; its next forward raises a ``MetaTensorError`` saying ``advice``."""
+        """Its tensors back on meta for good; its modules' next forward raises a ``MetaTensorError`` saying ``advice``."""
         for target in self.targets:
             shape, dtype = _home_spec(target)
             assign(root, target.names, torch.empty(shape, dtype=dtype, device="meta"), target.is_parameter)
-        check_meta_at_first_forward(self.module, advice)
+        for name in self.modules:
+            check_meta_at_first_forward(root.get_submodule(name), advice)
 
 
 def _specs(target: Target) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -23,7 +23,7 @@ from lightning_lowmem import (
     placement_plan,
     sequential_offload,
 )
-from lightning_lowmem.placement import offloaded
+from lightning_lowmem.runtime import offloaded
 from lightning_lowmem.quantize import module_nbytes, tensor_nbytes
 
 
@@ -287,3 +287,54 @@ def test_cuda_load_over_budget_offloads_and_matches_resident(tmp_path, tiny_conf
     assert resident <= report.placement.weights_per_device()["cuda:0"]
     assert start <= report.placement.weights_per_device()["cuda:0"] + expected.nbytes
     assert peak <= budget + expected.nbytes  # the reference output is the only other tensor on the device
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_offload_on_a_gpu_without_bf16_computes_in_fp16_and_matches_the_resident_fp16_model(
+        tmp_path, tiny_config, tiny_gpt, meta_gpt, write_checkpoint):
+    """bf16 asked for, the GPU taken for one without bf16: the offloaded layers (kept on the CPU, which has bf16)
+    compute on the GPU, so they get fp16 like the resident ones; the forward matches the model loaded whole in
+    fp16 (before, the offloaded layers stayed bf16: "mat1 and mat2 must have the same dtype")."""
+    from lightning_lowmem import BF16FallbackWarning, assume_bf16_support, load_checkpoint
+
+    config = tiny_config(n_layer=6, vocab_size=256, padded_vocab_size=256, intermediate_size=64)
+    path = write_checkpoint(tiny_gpt(config, torch.bfloat16).state_dict(), "safetensors", tmp_path)
+    resident, model = meta_gpt(config).eval(), meta_gpt(config).eval()
+    budget = sum(t.numel() * t.element_size() for t in model.state_dict().values()) // 2 + 200_000
+    with assume_bf16_support("cuda", False), pytest.warns(BF16FallbackWarning):
+        load_checkpoint(resident, path, device="cuda:0", dtype=torch.bfloat16)
+        report = load_checkpoint(model, path, dtype=torch.bfloat16, max_memory={"cuda:0": budget, "cpu": "1GiB"},
+                                 context=16)
+    assert report.placement.offloaded and report.offload is not None
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float16}
+    assert any(p.device.type == "cpu" for p in model.parameters())
+    idx = torch.randint(0, 256, (1, 10), device="cuda")
+    with torch.no_grad():
+        out, expected = model(idx), resident(idx)
+    assert out.dtype == expected.dtype == torch.float16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_tensor_two_offloaded_modules_share_has_one_master_counted_once():
+    """A tied embedding and head offloaded as two modules: one master (``offloaded_bytes`` counted it twice)."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.h = nn.Embedding(100, 16), nn.ModuleList([nn.Linear(16, 16)])
+            self.head = nn.Linear(16, 100, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.h[0](self.wte(x)))
+
+    torch.manual_seed(0)
+    model = Tied().eval()
+    reference = copy.deepcopy(model)
+    handle = layer_offload(model, "cpu", layers=["wte", "h.0", "head"])
+    assert handle.offloaded_bytes == (100 * 16 + 16 * 16 + 16) * 4
+    assert handle.weights["wte"].masters[0] is handle.weights["head"].masters[0]
+    x = torch.randint(0, 100, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model.head.weight is model.wte.weight

@@ -1,16 +1,17 @@
-"""The memory the disk tier reads layers into: two reused host buffers, each handed out as aligned tensor views.
+"""The memory the disk tier reads layers into: reused host buffers, each handed out as aligned tensor views.
 
 ::
 
     lay_out(specs)                 where each tensor of a layer lies in a buffer (a :class:`Slot`), 64-byte aligned
-    LayerBuffers(nbytes, pin)      two buffers of ``nbytes`` (the largest layer on disk), pinned for a CUDA device
+    LayerBuffers(sizes, pin)       a buffer of each size, pinned for a CUDA device: two of the largest layer on
+                                   disk, and one for each layer of tied modules (``file_reads.py``)
         .buffer(i)                 buffer ``i``; ``view(buffer, slot)`` is a tensor over its bytes
         .free(i)                   wait until the copies made from buffer ``i`` to the device are done
-    to_device(payload, device, stream)   a layer's tensors copied to the device on a side stream (CUDA only)
+    to_device(payload, device, stream)   a layer's tensors copied to the device (CUDA only)
 
-A layer is read into one buffer while the previous one computes from the other, so these two buffers are the
-only memory the layers on disk take on the host. Fresh memory for each read would cost a page fault per page
-on first touch, each time (``readahead.py``); reused buffers are touched once.
+A layer is read into one buffer while the previous one computes from the other, so these buffers are the only
+memory the layers on disk take on the host. Fresh memory for each read would cost a page fault per page on first
+touch, each time (``engine/readahead.py``); reused buffers are touched once.
 """
 
 from __future__ import annotations
@@ -62,20 +63,25 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class LayerBuffers:
-    """Two host buffers of ``nbytes`` each, pinned when the layers are copied on to a CUDA device.
+    """A host buffer of each of ``sizes``, pinned when the layers are copied on to a CUDA device.
 
     Args:
-        nbytes: bytes of each buffer (the largest layer on disk, aligned).
+        sizes: bytes of each buffer (aligned layer sizes).
         pin: pin them (page-locked memory), so that copies to the device are asynchronous.
     """
 
-    def __init__(self, nbytes: int, pin: bool = False) -> None:
-        self.nbytes = nbytes
-        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # copies to the device made from each buffer
+    def __init__(self, sizes: list[int], pin: bool = False) -> None:
+        self.sizes = list(sizes)
+        self._buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.sizes]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self.sizes)  # copies made from each to the device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the buffers together."""
+        return sum(self.sizes)
 
     def buffer(self, index: int) -> torch.Tensor:
-        """Buffer ``index`` (0 or 1); call :meth:`free` before writing into it."""
+        """Buffer ``index``; call :meth:`free` before writing into it."""
         return self._buffers[index]
 
     def free(self, index: int) -> None:
@@ -89,12 +95,15 @@ class LayerBuffers:
         self._copied[index] = event
 
 
-def to_device(payloads: list, device: torch.device, stream: torch.cuda.Stream) -> tuple[list, torch.cuda.Event]:
-    """Each tensor of ``payloads`` (tensors, or dicts of a stored weight's parts) copied to ``device`` on ``stream``,
-    and the event that marks the copies done (wait for it on the stream that uses them)."""
+def to_device(payloads: list, device: torch.device,
+              stream: torch.cuda.Stream | None) -> tuple[list, torch.cuda.Event]:
+    """Each tensor of ``payloads`` (tensors, or dicts of a stored weight's parts) copied to ``device`` on ``stream``
+    (None: the current stream), and the event that marks the copies done (wait for it on the stream that uses them;
+    the buffer they come from is free once it has passed)."""
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device, non_blocking=True)
 
+    stream = stream if stream is not None else torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         moved = [{k: move(v) for k, v in p.items()} if isinstance(p, dict) else move(p) for p in payloads]
         event = torch.cuda.Event()
