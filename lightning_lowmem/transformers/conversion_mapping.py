@@ -34,7 +34,7 @@ from torch import nn
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.plan import Combine, KeyMap, apply_key_map, guess_prefix
-from lightning_lowmem.plan.combine import combined_record, with_stacks
+from lightning_lowmem.plan.combine import Stack, combined_record, with_stacks
 from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, under
 from lightning_lowmem.transformers.conversions import pretrained_in
 
@@ -80,7 +80,9 @@ def mapping_conversion(model: nn.Module, mapping: list[Any], records: Mapping[st
     fns = {target: _operations_fn(model, converter, by_pattern) for target, (converter, by_pattern) in groups.items()}
     sources = {target: tuple(key for keys in by_pattern.values() for key in keys)
                for target, (_, by_pattern) in groups.items()}
-    combine = with_stacks(Combine(sources, lambda name, tensors: fns[name](name, tensors)), records) \
+    declared = {target: stack for target, (converter, by_pattern) in groups.items()
+                if (stack := _declared_stack(converter, by_pattern, sources[target], records)) is not None}
+    combine = with_stacks(Combine(sources, lambda name, tensors: fns[name](name, tensors), declared), records) \
         if sources else None
     renamed = {key: (None if name in groups else name) for key, name in names.items()}
 
@@ -151,6 +153,31 @@ def _operations_fn(model: nn.Module, converter: Any,
         return out[0] if isinstance(out, list) else out
 
     return build
+
+
+def _declared_stack(converter: Any, by_pattern: Mapping[str, list[str]], keys: tuple[str, ...],
+                    records: Mapping[str, TensorRecord]) -> Stack | None:
+    """Where each part lies in what the converter's operations build, when they only lay whole parts out as rows:
+    ``MergeModulelist(dim=0)`` (the experts one after another), then, with several patterns, ``Concatenate`` along
+    dimension 0 (pattern after pattern) or 1 (each expert's parts after one another: gate, then up); else None."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    patterns = list(converter.source_patterns)
+    if ops[:1] != [("MergeModulelist", 0)] or any(key not in records for key in keys):
+        return None
+    joined = ops[1:]
+    if (joined and joined not in ([("Concatenate", 0)], [("Concatenate", 1)])) or (not joined and len(patterns) != 1):
+        return None
+    shapes = {records[key].shape for key in keys}
+    counts = {len(by_pattern.get(pattern, ())) for pattern in patterns}
+    if len(shapes) != 1 or len(counts) != 1 or not next(iter(shapes)):
+        return None
+    (rows, *tail), (experts,) = next(iter(shapes)), counts
+    start = {}
+    for p, pattern in enumerate(patterns):
+        for e, key in enumerate(by_pattern[pattern]):
+            by_expert = joined == [("Concatenate", 1)]
+            start[key] = (e * len(patterns) + p) * rows if by_expert else (p * experts + e) * rows
+    return Stack(tuple(start[key] for key in keys), tuple(tail))
 
 
 def _fitting(module_tensors: Mapping[str, torch.Tensor], records: Mapping[str, TensorRecord],

@@ -4,6 +4,7 @@ fused experts transformers 5 builds, with one call and no key map."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -80,6 +81,26 @@ def test_each_expert_is_read_whole_straight_into_its_rows(moe_dir, read_recorder
     assert sorted(layer0) == sorted(f"model.layers.0.block_sparse_moe.experts.{e}.w{w}.weight"
                                     for e in range(4) for w in (1, 2, 3))
     assert read_recorder.rows == []  # each part whole, with its one read
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_stacks_the_mapping_declares_are_those_its_operations_build(moe_dir, family, monkeypatch):
+    """The fused experts' layout is declared from transformers' operations (MergeModulelist, Concatenate), not probed
+    (a probe of a real model's experts would hold them whole): here the declaration is checked against a probe at
+    the real shapes, which runs transformers' own operations on a distinct number in every position."""
+    from lightning_lowmem.plan import combine as combine_module
+    from lightning_lowmem.plan.combine import with_stacks
+    from lightning_lowmem.plan.conversions import find_conversion
+
+    directory = moe_dir(family)
+    model = _built(directory)
+    with Checkpoint.open(directory) as ckpt:
+        monkeypatch.setattr(combine_module, "PROBE_ELEMENTS", 0)  # nothing probed: what is a stack is declared
+        combine = find_conversion(model, ckpt.records, ckpt).combine
+        monkeypatch.undo()
+        probed = with_stacks(dataclasses.replace(combine, stacks={}), ckpt.records)
+    assert set(combine.stacks) == set(combine.sources) == set(EXPERTS)
+    assert combine.stacks == probed.stacks
 
 
 def test_a_checkpoint_holding_fused_experts_is_read_as_it_is(tmp_path, moe_dir, forward_logits):
