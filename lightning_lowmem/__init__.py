@@ -45,9 +45,11 @@ from lightning_lowmem.errors import (
     LowMemError,
     MemoryBudgetError,
     MetaTensorError,
+    NoStateDictError,
     SaveError,
     UnsafeCheckpointError,
     UnsupportedQuantizationError,
+    UnverifiedWeightsWarning,
 )
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.registration import register_when_lightning_loads
@@ -125,12 +127,14 @@ __all__ = [
     "MemoryMonitor",
     "MemoryUsage",
     "MetaTensorError",
+    "NoStateDictError",
     "Offload",
     "PlacementPlan",
     "SaveError",
     "Timeline",
     "UnsafeCheckpointError",
     "UnsupportedQuantizationError",
+    "UnverifiedWeightsWarning",
     "assume_bf16_support",
     "cache_bytes",
     "dispatch",

@@ -22,6 +22,11 @@ class CheckpointFormatError(CheckpointError):
     """The file is not a checkpoint we can read, or it is truncated or incomplete."""
 
 
+class NoStateDictError(CheckpointFormatError):
+    """A torch file holds no state dict of tensors (a bare tensor, a list, a dict of other things): it is not a set
+    of weights. Beside other weight sets in a directory it is left out, with a warning."""
+
+
 class CheckpointChangedError(CheckpointFormatError):
     """A checkpoint file that a running model reads its layers from (``disk_offload``) changed, was cut short or
     could not be read: the forward stops there, and every later one too, rather than run on other weights."""
@@ -39,6 +44,12 @@ class CheckpointReadError(CheckpointError, OSError):
 class AmbiguousCheckpointError(CheckpointError):
     """A path stands for two different sets of weights (a directory holding ``lit_model.pth`` and a
     ``model.safetensors`` that differ); nothing is read until one is picked."""
+
+
+class UnverifiedWeightsWarning(UserWarning):
+    """A directory holds several weight sets whose names, shapes and dtypes agree, and one was read by the documented
+    order without its bytes being compared with the others' (``verify_weight_sets=True`` compares them; ``prefer=``
+    picks one): they may hold other values."""
 
 
 class UnsafeCheckpointError(CheckpointError):

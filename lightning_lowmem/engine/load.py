@@ -71,6 +71,7 @@ def load_checkpoint(
     combine: Combine | None = None,
     mmap: bool | None = None,
     prefer: str | None = None,
+    verify_weight_sets: bool | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -85,7 +86,7 @@ def load_checkpoint(
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
         device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, disk_offload, context,
-            transform, combine, mmap, prefer: the fields of :class:`~lightning_lowmem.LoadOptions`.
+            transform, combine, mmap, prefer, verify_weight_sets: the fields of :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
         A :class:`LoadReport`.
@@ -93,6 +94,10 @@ def load_checkpoint(
     Raises:
         CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
         AmbiguousCheckpointError: a directory holds different weight sets (pass ``prefer=`` or the file).
+
+    Warns:
+        UnverifiedWeightsWarning: a directory holds weight sets that agree by headers and sampled bytes, and one was
+            read without every byte compared (``prefer=`` picks one; ``verify_weight_sets=True`` compares them).
         CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
         MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
         UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
@@ -113,7 +118,7 @@ def load_checkpoint(
     options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
                                 strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
                                 disk_offload=disk_offload, context=context, transform=transform, combine=combine,
-                                mmap=mmap, prefer=prefer)
+                                mmap=mmap, prefer=prefer, verify_weight_sets=verify_weight_sets)
     return run_load(module, checkpoint, options)
 
 
