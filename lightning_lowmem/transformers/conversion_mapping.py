@@ -77,6 +77,7 @@ def mapping_conversion(model: nn.Module, mapping: list[Any], records: Mapping[st
     names, groups = _renamed(model, mapping, records, module_tensors)
     family = getattr(model.config, "model_type", type(model).__name__)
     _refuse_many_targets(family, groups)
+    _refuse_held_twice(names, groups, records)
     fns = {target: _operations_fn(model, converter, by_pattern) for target, (converter, by_pattern) in groups.items()}
     sources = {target: tuple(key for keys in by_pattern.values() for key in keys)
                for target, (_, by_pattern) in groups.items()}
@@ -134,6 +135,27 @@ def _refuse_many_targets(family: str, groups: Mapping[str, tuple[Any, dict]]) ->
         f"({format_names(refused)}) from the same checkpoint tensors; lightning_lowmem builds each module tensor "
         "from its own keys and does not stream this operation. Load this checkpoint with transformers' "
         "from_pretrained, or pass key_map= and combine= that build each tensor; nothing was read.")
+
+
+def _refuse_held_twice(names: Mapping[str, str], groups: Mapping[str, tuple[Any, dict]],
+                       records: Mapping[str, TensorRecord]) -> None:
+    """Raise for a module tensor the checkpoint holds both as it is (fused experts) and as the parts a converter builds
+    it from (one tensor per expert): which copy loads must never depend on which reading wins."""
+    parts = {key for _, by_pattern in groups.values() for keys in by_pattern.values() for key in keys}
+    twice = {key: names[key] for key in records if key not in parts and names.get(key) in groups}
+    if not twice:
+        return
+    pairs = [f"{key!r} and {format_names(_keys_of(groups[name][1]), 2)} (both give {name!r})"
+             for key, name in twice.items()]
+    raise CheckpointMismatchError(
+        f"The checkpoint holds {len(twice)} module tensors twice, whole and as the parts transformers builds them from: "
+        f"{format_names(pairs, quote=False, sep='; ')}. Which copy to load would be a guess (the two may differ); "
+        "nothing was read. Remove one of the copies from the checkpoint (e.g. save the model again with "
+        "save_checkpoint or save_pretrained), or pass key_map= (a callable returning None for the keys to drop).")
+
+
+def _keys_of(by_pattern: Mapping[str, list[str]]) -> list[str]:
+    return [key for keys in by_pattern.values() for key in keys]
 
 
 def _operations_fn(model: nn.Module, converter: Any,

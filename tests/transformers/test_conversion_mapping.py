@@ -103,6 +103,32 @@ def test_the_stacks_the_mapping_declares_are_those_its_operations_build(moe_dir,
     assert combine.stacks == probed.stacks
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("extra", ["fused beside per-expert", "per-expert beside fused"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_layer_held_both_fused_and_per_expert_is_refused_naming_both_keys(tmp_path, moe_dir, read_recorder, family,
+                                                                           extra, strict):
+    """Layer 0's experts twice: as transformers' fused ``gate_up_proj`` and as one tensor per expert. Which copy wins
+    would be a guess (they may differ): refused before any read, naming the fused key and the per-expert keys."""
+    from safetensors.torch import load_file, save_file
+
+    directory = moe_dir(family)
+    per_expert = load_file(directory / "model.safetensors")
+    model = _built(directory)
+    load_checkpoint(model, directory, progress=False)
+    fused = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if extra == "fused beside per-expert":
+        state = {**per_expert, "model.layers.0.mlp.experts.gate_up_proj": fused["model.layers.0.mlp.experts.gate_up_proj"]}
+    else:
+        state = {**fused, **{k: v for k, v in per_expert.items() if ".layers.0." in k and ".experts." in k}}
+    save_file(state, tmp_path / "model.safetensors")
+    read_recorder.calls.clear()
+    with pytest.raises(CheckpointMismatchError, match=r"holds \d module tensors twice.*'model\.layers\.0\.mlp\.experts\."
+                                                      r"gate_up_proj' and 'model\.layers\.0\.[a-z_]+\.experts\.0\."):
+        load_checkpoint(_built(directory), tmp_path / "model.safetensors", strict=strict, progress=False)
+    assert read_recorder.calls == []
+
+
 def test_a_checkpoint_holding_fused_experts_is_read_as_it_is(tmp_path, moe_dir, forward_logits):
     from safetensors.torch import save_file
 
