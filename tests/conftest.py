@@ -806,13 +806,15 @@ def meta_hf_model():
 
 @pytest.fixture(scope="session")
 def hf_from_pretrained():
-    """``hf_from_pretrained(directory)``: transformers' own ``from_pretrained`` of ``directory`` on CPU, in eval mode."""
-    def load(directory: Path) -> nn.Module:
+    """``hf_from_pretrained(directory, dtype=None)``: transformers' own ``from_pretrained`` of ``directory`` on CPU (in
+    ``dtype`` when given), in eval mode."""
+    def load(directory: Path, dtype: torch.dtype | None = None) -> nn.Module:
         import transformers
 
+        kwargs = {"dtype": dtype} if dtype is not None else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu").eval()
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", **kwargs).eval()
 
     return load
 

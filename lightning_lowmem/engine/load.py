@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -124,7 +124,7 @@ def load_checkpoint(
 
 @quietly
 def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, options: LoadOptions, *,
-             on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
+             on_plan: Callable[[PreparedLoad], None] | None = None, family_dtypes: bool = True) -> LoadReport:
     """The whole load under one memory monitor: open once, prepare from the headers, stream.
 
     The module is loaded whole or left as it was: on any error after the plan, every module,
@@ -137,13 +137,16 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
         on_plan: called with the prepared load before any weight is read (a face's own checks and
             initializations). With it, missing and unexpected keys are left for it to check
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
+        family_dtypes: the dtypes the model family's own loader gives (see :func:`prepare_load`); False for a face
+            whose precision casts the whole module (Lightning's).
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             source = stack.enter_context(resolved(checkpoint, module, options))
             with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
-                prepared = prepare_load(module, source, options, check_keys=on_plan is None)
+                prepared = prepare_load(module, source, options, check_keys=on_plan is None,
+                                        family_dtypes=family_dtypes)
             if on_plan is not None:
                 on_plan(prepared)
             return prepared, source.checkpoint
@@ -242,8 +245,9 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
         module, ckpt, resident, quantizer, transform=prepared.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
-    report.recomputed = architecture.after_load(module, device)
-    _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype,
+    final = {name: prepared.dtype_of(name, b) for name, b in module.named_buffers(remove_duplicate=False)}
+    report.recomputed = architecture.after_load(module, device, final)
+    _finish_buffers(module, options.device or (device if prepared.placement else None), final,
                     keep_dtype=set(released))
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
     report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
@@ -313,9 +317,10 @@ def _watched(options: LoadOptions) -> torch.device | None:
     return options.device
 
 
-def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None,
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype],
                     keep_dtype: set[str] | frozenset[str] = frozenset()) -> None:
-    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
+    """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
+    dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps).
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
     (:func:`~lightning_lowmem.dtypes.supports_bf16`). Those named in ``keep_dtype`` (what the architecture released,
@@ -327,7 +332,7 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = dtype if dtype is not None and buf.is_floating_point() and own not in keep_dtype else buf.dtype
+            cast = dtypes.get(own, buf.dtype) if own not in keep_dtype else buf.dtype
             if cast == torch.bfloat16 and not supports_bf16(where):
                 cast = torch.float16
             mod._buffers[name] = buf.to(device=where, dtype=cast)

@@ -154,8 +154,8 @@ def test_nf4_quantize_on_load_quantizes_the_experts(moe_dir, hf_from_pretrained,
     report = load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
 
     assert all(report.quantized[name] == "bnb.nf4" for name in EXPERTS)
-    reference = quantize_after_load(hf_from_pretrained(directory).to(torch.bfloat16), "bnb.nf4").eval()
-    full_precision = forward_logits(hf_from_pretrained(directory).to(torch.bfloat16))
+    reference = quantize_after_load(hf_from_pretrained(directory, torch.bfloat16), "bnb.nf4").eval()
+    full_precision = forward_logits(hf_from_pretrained(directory, torch.bfloat16))
     for name in EXPERTS:
         module_name, leaf = name.rsplit(".", 1)
         replace_parameter_4bit(reference.get_submodule(module_name), leaf, quant_type="nf4", blocksize=64)
