@@ -236,7 +236,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     on_disk = {id(t) for t in on_disk_targets(prepared)}
     resident = dataclasses.replace(plan, targets=[t for t in plan.targets if id(t) not in on_disk]) if on_disk else plan
-    released = architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
     if report.read_whole:
         log.info("This rank reads %d sharded tensors whole and keeps its part: %s", len(report.read_whole),
@@ -247,8 +247,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     ckpt.check_unchanged()  # a file rewritten during the last read
     final = {name: prepared.dtype_of(name, b) for name, b in module.named_buffers(remove_duplicate=False)}
     report.recomputed = architecture.after_load(module, device, final)
-    _finish_buffers(module, options.device or (device if prepared.placement else None), final,
-                    keep_dtype=set(released))
+    _finish_buffers(module, options.device or (device if prepared.placement else None), final)
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
     report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
     try:
@@ -317,14 +316,13 @@ def _watched(options: LoadOptions) -> torch.device | None:
     return options.device
 
 
-def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype],
-                    keep_dtype: set[str] | frozenset[str] = frozenset()) -> None:
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype]) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
-    dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps).
+    dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps). What the
+    architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.supports_bf16`). Those named in ``keep_dtype`` (what the architecture released,
-    rebuilt by the model's own code when used: litgpt's RoPE tables) keep their dtype: the model's code chose it.
+    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -332,7 +330,7 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = dtypes.get(own, buf.dtype) if own not in keep_dtype else buf.dtype
+            cast = dtypes.get(own, buf.dtype)
             if cast == torch.bfloat16 and not supports_bf16(where):
                 cast = torch.float16
             mod._buffers[name] = buf.to(device=where, dtype=cast)

@@ -35,9 +35,11 @@ from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundErr
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
+from lightning_lowmem.litgpt.architecture import LITGPT
 from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.meta import init_empty
 from lightning_lowmem.quiet import quietly
 
@@ -177,7 +179,10 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)
     report = run_load(model, checkpoint.chosen, options)
-    return fabric.setup_module(model).eval(), report
+    model = fabric.setup_module(model).eval()
+    if generation_rope_dtype(options.dtype, options.scheme) != options.dtype:  # as litgpt's generate leaves them
+        LITGPT.reset_buffers(model, device)
+    return model, report
 
 
 def _is_gguf(path: Path) -> bool:

@@ -32,6 +32,7 @@ from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.formats.read_speed import measure_read_speed
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, build_meta_model
@@ -113,7 +114,7 @@ def estimate_memory(
         note = _read_bandwidth(prepared.placement, source, read_bandwidth)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
-                            with_caches=is_litgpt)
+                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme))
     est.tokenizer = tokenizer
     if not is_litgpt:
         built = f"the {name} its config.json describes (transformers), built on meta" if hasattr(model, "config") \

@@ -72,8 +72,10 @@ class Architecture:
         """Whether ``module`` (the root being loaded or placed) is of this family."""
         return True
 
-    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
-        """The caches a generation of ``length`` positions keeps; none are known for a generic module."""
+    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype,
+                    rope_dtype: torch.dtype | None = None) -> CacheBytes:
+        """The caches a generation of ``length`` positions keeps (RoPE tables in ``rope_dtype``, default ``dtype``);
+        none are known for a generic module."""
         return CacheBytes()
 
     def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
@@ -100,7 +102,13 @@ class Architecture:
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
         """Release buffers that are rebuilt when first used (none for a generic module); returns their names. The load
-        leaves their dtype as it is: the model's own code chose it, not the load's ``dtype``."""
+        casts what stands in for them as it casts every buffer (``module.to(dtype)``)."""
+        return []
+
+    def reset_buffers(self, module: nn.Module, device: torch.device) -> list[str]:
+        """The buffers the module's own ``reset_parameters()`` rebuilds, left as it leaves them, for a face whose path
+        without the library calls it after the precision plugin's conversion (FSDP2's materialization); returns
+        their names. None for a generic module."""
         return []
 
     def fills(self, module: nn.Module) -> set[str]:
