@@ -153,7 +153,8 @@ def _declared_stacks(state: Mapping[str, torch.Tensor], sources: Mapping[str, tu
     stacks = {}
     for name, tensor in state.items():
         order = provenance.concatenated.get(id(tensor))
-        if order is None or name not in sources or sorted(order) != sorted(sources[name]) or len(set(order)) != len(order):
+        if (order is None or name not in sources or sorted(order) != sorted(sources[name])
+                or len(set(order)) != len(order)):
             continue
         starts, row = {}, 0
         for key in order:

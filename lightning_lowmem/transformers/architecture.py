@@ -111,7 +111,8 @@ def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.d
             built = type(model)(copy.deepcopy(model.config))
     except Exception as e:  # noqa: BLE001  (any model's __init__: its own errors)
         log.warning("%s could not be built again on meta to learn the dtypes from_pretrained gives its tensors "
-                    "(%s: %s); every floating tensor is loaded in %s.", type(model).__name__, type(e).__name__, e, dtype)
+                    "(%s: %s); every floating tensor is loaded in %s.", type(model).__name__, type(e).__name__, e,
+                    dtype)
         return {}
     planned = _plan_matcher(built._get_dtype_plan(dtype) if callable(getattr(built, "_get_dtype_plan", None)) else {})
     loaded = set(built.state_dict(keep_vars=True))

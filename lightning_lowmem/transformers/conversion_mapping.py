@@ -148,8 +148,8 @@ def _refuse_held_twice(names: Mapping[str, str], groups: Mapping[str, tuple[Any,
     pairs = [f"{key!r} and {format_names(_keys_of(groups[name][1]), 2)} (both give {name!r})"
              for key, name in twice.items()]
     raise CheckpointMismatchError(
-        f"The checkpoint holds {len(twice)} module tensors twice, whole and as the parts transformers builds them from: "
-        f"{format_names(pairs, quote=False, sep='; ')}. Which copy to load would be a guess (the two may differ); "
+        f"The checkpoint holds {len(twice)} module tensors twice, whole and as the parts transformers builds them "
+        f"from: {format_names(pairs, quote=False, sep='; ')}. Which copy to load would be a guess (the two may differ); "
         "nothing was read. Remove one of the copies from the checkpoint (e.g. save the model again with "
         "save_checkpoint or save_pretrained), or pass key_map= (a callable returning None for the keys to drop).")
 

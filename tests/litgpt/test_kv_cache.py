@@ -154,5 +154,11 @@ def test_the_rope_tables_keep_their_dtype_and_take_the_length_asked(tiny_config,
     for model, dtype in ((recomputed, torch.float32), (converted, torch.bfloat16)):
         setup_kv_cache(model, 1, 20)
         cos, sin = model.rope_cache()  # litgpt's own tables at this length, float32
-        assert model.cos.dtype == dtype and torch.equal(model.cos, cos.to(dtype)) and torch.equal(model.sin, sin.to(dtype))
+        assert model.cos.dtype == dtype and torch.equal(model.cos, cos.to(dtype))
+        assert torch.equal(model.sin, sin.to(dtype))
         assert model.transformer.h[0].attn.kv_cache.k.dtype == torch.bfloat16
+    setup_kv_cache(converted, 1, 30, rope_dtype=torch.float32)  # better than the eager path, when asked
+    assert converted.cos.dtype == torch.float32 and torch.equal(converted.cos, converted.rope_cache()[0])
+    converted.clear_kv_cache()
+    converted(torch.randint(0, 100, (1, 40)))  # grown by the guard for a longer forward: still float32
+    assert converted.cos.dtype == torch.float32 and converted.cos.shape[0] == 40

@@ -118,13 +118,14 @@ def test_a_layer_held_both_fused_and_per_expert_is_refused_naming_both_keys(tmp_
     load_checkpoint(model, directory, progress=False)
     fused = {k: v.contiguous() for k, v in model.state_dict().items()}
     if extra == "fused beside per-expert":
-        state = {**per_expert, "model.layers.0.mlp.experts.gate_up_proj": fused["model.layers.0.mlp.experts.gate_up_proj"]}
+        key = "model.layers.0.mlp.experts.gate_up_proj"
+        state = {**per_expert, key: fused[key]}
     else:
         state = {**fused, **{k: v for k, v in per_expert.items() if ".layers.0." in k and ".experts." in k}}
     save_file(state, tmp_path / "model.safetensors")
     read_recorder.calls.clear()
-    with pytest.raises(CheckpointMismatchError, match=r"holds \d module tensors twice.*'model\.layers\.0\.mlp\.experts\."
-                                                      r"gate_up_proj' and 'model\.layers\.0\.[a-z_]+\.experts\.0\."):
+    twice = r"holds \d module tensors twice.*'model\.layers\.0\.mlp\.experts\.gate_up_proj' and 'model\.layers\.0\."
+    with pytest.raises(CheckpointMismatchError, match=twice + r"[a-z_]+\.experts\.0\."):
         load_checkpoint(_built(directory), tmp_path / "model.safetensors", strict=strict, progress=False)
     assert read_recorder.calls == []
 
