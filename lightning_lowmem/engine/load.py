@@ -86,7 +86,8 @@ def load_checkpoint(
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
         device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, disk_offload, context,
-            transform, combine, mmap, prefer, verify_weight_sets: the fields of :class:`~lightning_lowmem.LoadOptions`.
+            transform, combine, mmap, prefer, verify_weight_sets: the fields of
+            :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
         A :class:`LoadReport`.
@@ -94,14 +95,14 @@ def load_checkpoint(
     Raises:
         CheckpointError: the checkpoint is missing, truncated, unsafe or of an unknown format.
         AmbiguousCheckpointError: a directory holds different weight sets (pass ``prefer=`` or the file).
-
-    Warns:
-        UnverifiedWeightsWarning: a directory holds weight sets that agree by headers and sampled bytes, and one was
-            read without every byte compared (``prefer=`` picks one; ``verify_weight_sets=True`` compares them).
         CheckpointMismatchError: keys or shapes do not fit the module (raised before reading data).
         MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
         UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
         DeviceUnavailableError: ``device`` does not exist here (raised before opening anything).
+
+    Warns:
+        UnverifiedWeightsWarning: a directory holds weight sets that agree by headers and sampled bytes, and one was
+            read without every byte compared (``prefer=`` picks one; ``verify_weight_sets=True`` compares them).
 
     Example::
 

@@ -88,9 +88,10 @@ def _expected(first: str, second: str) -> str:
     return FORMATS[(native or ranked)[0]][0]
 
 
-def _every_face(directory: Path, states: dict, capsys, config=None, **options) -> dict[str, str | type]:
+def _every_face(directory: Path, states: dict, capsys, config=None, callback: bool = False,
+                **options) -> dict[str, str | type]:
     """Which file each face reads (its report's first words, ``+warned`` after it when it warned that it did not
-    compare every byte), or the type of the error it raises."""
+    compare every byte), or the type of the error it raises; the Trainer's callback too with ``callback``."""
     from lightning_lowmem.cli.commands import main
     from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
 
@@ -103,6 +104,8 @@ def _every_face(directory: Path, states: dict, capsys, config=None, **options) -
         "fabric": lambda: _fabric_source(directory, config, load_options),
         "inspect": lambda: _inspect_source(main, directory, capsys, options),
     }
+    if callback:
+        faces["callback"] = lambda: _callback_source(directory, config, load_options)
     chosen: dict[str, str | type] = {}
     for face, call in faces.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -130,6 +133,25 @@ def _fabric_source(directory: Path, config, options: LoadOptions) -> str:
         model = GPT(config)
     fabric.load_raw(directory, model)
     return fabric.strategy.reports[-1].source
+
+
+def _callback_source(directory: Path, config, options: LoadOptions) -> str:
+    import lightning as L
+    from litgpt import GPT
+
+    from lightning_lowmem import LowMemCallback
+
+    class Lit(L.LightningModule):
+        def configure_model(self) -> None:
+            self.model = GPT(config)
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(batch)
+
+    callback = LowMemCallback(directory, options=options)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback], enable_progress_bar=False,
+              enable_model_summary=False).predict(Lit(), torch.utils.data.DataLoader(torch.zeros(1, 4, dtype=torch.long)))
+    return callback.report.source
 
 
 def _inspect_source(main, directory: Path, capsys, options: dict) -> str:
@@ -235,9 +257,10 @@ def test_sets_that_differ_past_the_sample_are_read_with_a_warning_or_refused_whe
     for case in (_rows_past_the_first, _last_element):
         directory = case(tmp_path / case.__name__, wide)
         states = {"config": wide[1]}
-        assert _every_face(directory, states, capsys) == dict.fromkeys(
-            ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect"], "model.safetensors+warned")
-        verified = _every_face(directory, states, capsys, verify_weight_sets=True)
+        assert _every_face(directory, states, capsys, callback=True) == dict.fromkeys(
+            ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"],
+            "model.safetensors+warned")
+        verified = _every_face(directory, states, capsys, callback=True, verify_weight_sets=True)
         assert set(verified.values()) == {AmbiguousCheckpointError}, verified
     with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.1\.mlp\.proj\.weight' differ"):
         load_checkpoint(_meta(wide[1]), directory, verify_weight_sets=True, progress=False)
@@ -281,9 +304,10 @@ def test_litgpt_files_differing_only_in_the_fused_qkv_are_never_called_the_same(
         shutil.copy(states["config_dir"] / name, directory)
     _write("lit", directory, states["lit"])
     _write("safetensors-hf", directory, other)
-    assert _every_face(directory, states, capsys) == dict.fromkeys(
-        ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect"], "lit_model.pth+warned")
-    assert set(_every_face(directory, states, capsys, verify_weight_sets=True).values()) == {AmbiguousCheckpointError}
+    assert _every_face(directory, states, capsys, callback=True) == dict.fromkeys(
+        ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"], "lit_model.pth+warned")
+    verified = _every_face(directory, states, capsys, callback=True, verify_weight_sets=True)
+    assert set(verified.values()) == {AmbiguousCheckpointError}, verified
     with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.0\.attn\.qkv\.weight' differ"):
         load_checkpoint(_meta(states["config"]), directory, verify_weight_sets=True, progress=False)
 
