@@ -52,10 +52,12 @@ from lightning_lowmem.errors import (
     MemoryBudgetError,
     MetaTensorError,
     RankLostError,
+    NoStateDictError,
     SaveError,
     UnsafeCheckpointError,
     UnsupportedPlatformError,
     UnsupportedQuantizationError,
+    UnverifiedWeightsWarning,
 )
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.registration import register_when_lightning_loads
@@ -127,6 +129,7 @@ __all__ = [
     "MemoryMonitor",
     "MemoryUsage",
     "MetaTensorError",
+    "NoStateDictError",
     "Offload",
     "PlacementPlan",
     "RankLostError",
@@ -135,6 +138,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedPlatformError",
     "UnsupportedQuantizationError",
+    "UnverifiedWeightsWarning",
     "assume_bf16_support",
     "cache_bytes",
     "dispatch",

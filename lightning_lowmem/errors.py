@@ -22,6 +22,11 @@ class CheckpointFormatError(CheckpointError):
     """The file is not a checkpoint we can read, or it is truncated or incomplete."""
 
 
+class NoStateDictError(CheckpointFormatError):
+    """A torch file holds no state dict of tensors (a bare tensor, a list, a dict of other things): it is not a set
+    of weights. Beside other weight sets in a directory it is left out, with a warning."""
+
+
 class CheckpointChangedError(CheckpointFormatError):
     """A checkpoint file that a running model reads its layers from (``disk_offload``) changed, was cut short or
     could not be read: the forward stops there, and every later one too, rather than run on other weights."""
@@ -44,6 +49,12 @@ class AmbiguousCheckpointError(CheckpointError):
 class CheckpointDiffersError(CheckpointError):
     """The ranks of a sharded load read different checkpoints: a file on one rank holds other bytes than the same
     file on rank 0 (another size, other headers, other data where sampled); raised on every rank before any reads."""
+
+
+class UnverifiedWeightsWarning(UserWarning):
+    """A directory holds several weight sets whose names, shapes and dtypes agree, and one was read by the documented
+    order without its bytes being compared with the others' (``verify_weight_sets=True`` compares them; ``prefer=``
+    picks one): they may hold other values."""
 
 
 class UnsafeCheckpointError(CheckpointError):

@@ -63,7 +63,8 @@ def tiny_gpt():
 
     ``std``: re-draw every parameter from N(0, std) (larger weights than litgpt's init, so greedy tokens
     vary); None keeps litgpt's own init. Its RoPE tables are built again after the conversion to ``dtype``, in the
-    dtype litgpt gives them (float32), as Lightning does after its precision plugin converts a model.
+    dtype litgpt gives them (float32), as FSDP2's materialization (``reset_parameters()``) does after Fabric's precision
+    plugin converts a model; a one-device model keeps them converted (``eager_gpt``).
     """
     def make(config, dtype: torch.dtype = torch.float32, seed: int = 0, std: float | None = None) -> nn.Module:
         from litgpt import GPT
@@ -135,16 +136,15 @@ def lora_key_map():
 
 @pytest.fixture(scope="session")
 def eager_gpt():
-    """``eager_gpt(reference, dtype)``: what users do without this library: a real GPT built in ``dtype`` and
-    ``load_state_dict`` of ``reference``'s weights, in eval mode. Its RoPE tables are built again by litgpt's own
-    ``reset_parameters()`` after the conversion, in the dtype litgpt gives them (float32), as Lightning does after
-    its precision plugin converts a model."""
+    """``eager_gpt(reference, dtype)``: what users do without this library on one device: a real GPT converted to
+    ``dtype`` (``model.to(dtype)``, as Lightning's one-device ``bf16-true`` converts it) and ``load_state_dict`` of
+    ``reference``'s weights, in eval mode. Its RoPE tables are converted with it (bf16 under bf16): nothing on one
+    device computes them again (FSDP2's ``reset_parameters()`` does: ``tiny_gpt``)."""
     def build(reference: nn.Module, dtype: torch.dtype) -> nn.Module:
         from litgpt import GPT
 
         model = GPT(reference.config).to(dtype)
         model.load_state_dict(reference.state_dict())
-        model.reset_parameters()
         return model.eval()
 
     return build
@@ -815,13 +815,15 @@ def meta_hf_model():
 
 @pytest.fixture(scope="session")
 def hf_from_pretrained():
-    """``hf_from_pretrained(directory)``: transformers' own ``from_pretrained`` of ``directory`` on CPU, in eval mode."""
-    def load(directory: Path) -> nn.Module:
+    """``hf_from_pretrained(directory, dtype=None)``: transformers' own ``from_pretrained`` of ``directory`` on CPU (in
+    ``dtype`` when given), in eval mode."""
+    def load(directory: Path, dtype: torch.dtype | None = None) -> nn.Module:
         import transformers
 
+        kwargs = {"dtype": dtype} if dtype is not None else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu").eval()
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", **kwargs).eval()
 
     return load
 

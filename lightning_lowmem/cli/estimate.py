@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                           batch_size=args.batch_size, max_seq_length=args.max_seq_length,
                           prompt_length=args.prompt_length, max_memory=args.max_memory,
                           disk_offload=args.disk_offload or None, read_bandwidth=args.read_bandwidth,
-                          config=config_argument(args.config), options=LoadOptions(prefer=args.weights))
+                          config=config_argument(args.config),
+                          options=LoadOptions(prefer=args.weights, verify_weight_sets=args.verify_weight_sets))
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return EXIT_OK

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.generation import generate
 
     check_budgets(args, args.parser)
-    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights)
+    found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights,
+                                  verify=args.verify_weight_sets)
     prompt = args.prompt
     if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
         from lightning_lowmem.cli.prompts import prompt_style_for

@@ -28,10 +28,14 @@ def add_checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def add_weights(parser: argparse.ArgumentParser) -> None:
-    """``--weights``: which weight set of a directory holding several different ones."""
+    """``--weights``: which weight set of a directory holding several; ``--verify_weight_sets``: compare them."""
     parser.add_argument("--weights", default=None, metavar="NAME",
-                        help="which weights to read when the directory holds several different sets: a file name "
-                             "there (lit_model.pth, model.safetensors) or a format (safetensors, torch, gguf)")
+                        help="which weights to read when the directory holds several sets: a file name there "
+                             "(lit_model.pth, model.safetensors) or a format (safetensors, torch, gguf)")
+    parser.add_argument("--verify_weight_sets", action="store_true",
+                        help="when the directory holds several sets that agree by names, shapes and dtypes, read "
+                             "every byte of each and compare (costs a read of every set); without it the first "
+                             "in the documented order is read with a warning that the rest was not compared")
 
 
 def resolve_checkpoint(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

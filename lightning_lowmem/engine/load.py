@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -72,6 +72,7 @@ def load_checkpoint(
     combine: Combine | None = None,
     mmap: bool | None = None,
     prefer: str | None = None,
+    verify_weight_sets: bool | None = None,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -86,7 +87,8 @@ def load_checkpoint(
         options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
             the keyword arguments override the fields they name.
         device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, disk_offload, context,
-            transform, combine, mmap, prefer: the fields of :class:`~lightning_lowmem.LoadOptions`.
+            transform, combine, mmap, prefer, verify_weight_sets: the fields of
+            :class:`~lightning_lowmem.LoadOptions`.
 
     Returns:
         A :class:`LoadReport`.
@@ -98,6 +100,10 @@ def load_checkpoint(
         MemoryBudgetError: ``max_memory`` cannot hold the model (raised before reading data).
         UnsupportedQuantizationError: unknown scheme, or no kernel for it on ``device``.
         DeviceUnavailableError: ``device`` does not exist here (raised before opening anything).
+
+    Warns:
+        UnverifiedWeightsWarning: a directory holds weight sets that agree by headers and sampled bytes, and one was
+            read without every byte compared (``prefer=`` picks one; ``verify_weight_sets=True`` compares them).
 
     Example::
 
@@ -114,13 +120,13 @@ def load_checkpoint(
     options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
                                 strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
                                 disk_offload=disk_offload, context=context, transform=transform, combine=combine,
-                                mmap=mmap, prefer=prefer)
+                                mmap=mmap, prefer=prefer, verify_weight_sets=verify_weight_sets)
     return run_load(module, checkpoint, options)
 
 
 @quietly
 def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, options: LoadOptions, *,
-             on_plan: Callable[[PreparedLoad], None] | None = None) -> LoadReport:
+             on_plan: Callable[[PreparedLoad], None] | None = None, family_dtypes: bool = True) -> LoadReport:
     """The whole load under one memory monitor: open once, prepare from the headers, stream.
 
     The module is loaded whole or left as it was: on any error after the plan, every module,
@@ -133,13 +139,16 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
         on_plan: called with the prepared load before any weight is read (a face's own checks and
             initializations). With it, missing and unexpected keys are left for it to check
             (``prepared.plan.check_keys``); without it, ``options.strict`` decides here.
+        family_dtypes: the dtypes the model family's own loader gives (see :func:`prepare_load`); False for a face
+            whose precision casts the whole module (Lightning's).
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
     with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             source = stack.enter_context(resolved(checkpoint, module, options))
             with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
-                prepared = prepare_load(module, source, options, check_keys=on_plan is None)
+                prepared = prepare_load(module, source, options, check_keys=on_plan is None,
+                                        family_dtypes=family_dtypes)
             if on_plan is not None:
                 on_plan(prepared)
             return prepared, source.checkpoint
@@ -229,7 +238,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     on_disk = {id(t) for t in on_disk_targets(prepared)}
     resident = dataclasses.replace(plan, targets=[t for t in plan.targets if id(t) not in on_disk]) if on_disk else plan
-    released = architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
+    architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
     if report.read_whole:
         log.info("This rank reads %d sharded tensors whole and keeps its part: %s", len(report.read_whole),
@@ -238,9 +247,9 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
         module, ckpt, resident, quantizer, transform=prepared.transform, combine=prepared.combine,
         progress=options.progress, mmap=options.mmap)
     ckpt.check_unchanged()  # a file rewritten during the last read
-    report.recomputed = architecture.after_load(module, device)
-    _finish_buffers(module, options.device or (device if prepared.placement else None), options.dtype,
-                    keep_dtype=set(released))
+    final = {name: prepared.dtype_of(name, b) for name, b in module.named_buffers(remove_duplicate=False)}
+    report.recomputed = architecture.after_load(module, device, final)
+    _finish_buffers(module, options.device or (device if prepared.placement else None), final)
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
     report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
     try:
@@ -309,13 +318,13 @@ def _watched(options: LoadOptions) -> torch.device | None:
     return options.device
 
 
-def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None,
-                    keep_dtype: set[str] | frozenset[str] = frozenset()) -> None:
-    """Buffers the checkpoint did not hold (RoPE, masks) go where ``model.to(device, dtype)`` would put them.
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype]) -> None:
+    """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
+    dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps). What the
+    architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.supports_bf16`). Those named in ``keep_dtype`` (what the architecture released,
-    rebuilt by the model's own code when used: litgpt's RoPE tables) keep their dtype: the model's code chose it.
+    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -323,7 +332,7 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtype: torch
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = dtype if dtype is not None and buf.is_floating_point() and own not in keep_dtype else buf.dtype
+            cast = dtypes.get(own, buf.dtype)
             if cast == torch.bfloat16 and not supports_bf16(where):
                 cast = torch.float16
             mod._buffers[name] = buf.to(device=where, dtype=cast)

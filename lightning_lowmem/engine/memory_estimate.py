@@ -165,7 +165,7 @@ class MemoryEstimate:
 
 def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype, batch_size: int,
                       max_seq_length: int, prompt_length: int, runtime: int = CPU_RUNTIME,
-                      with_caches: bool = True) -> MemoryEstimate:
+                      with_caches: bool = True, rope_dtype: torch.dtype | None = None) -> MemoryEstimate:
     """The estimate of ``prepared``: weights and load transient from its plan, caches and activations from
     the module's architecture (``with_caches``), the placement it carries.
     """
@@ -194,7 +194,7 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         est.notes.append(f"{len(prepared.plan.missing)} module tensors are not in the checkpoint")
     if with_caches:
         architecture = architecture_of(prepared.module)
-        caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype)
+        caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype, rope_dtype)
         est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
         est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype)
     return est

@@ -61,7 +61,13 @@ class LoadOptions:
             and mapped torch-file tensors are not CRC-checked. Any other load copies, whatever this says.
         prefer: which weights to read from a directory holding several different weight sets: one of their
             file names (``"lit_model.pth"``, ``"model.safetensors.index.json"``) or a format (``"safetensors"``,
-            ``"torch"``, ``"gguf"``). Sets that hold the same tensors need no choice (see ``docs/loading.md``).
+            ``"torch"``, ``"gguf"``). Sets whose names, shapes and dtypes agree are read in the documented order,
+            with an :class:`~lightning_lowmem.UnverifiedWeightsWarning` (see ``docs/loading.md``).
+        verify_weight_sets: in a directory holding several weight sets whose names, shapes and dtypes agree, read
+            every byte of each and compare them before the load (the cost: reading every set once more): the same
+            -> the documented one is read, without a warning; different -> ``AmbiguousCheckpointError``. Without
+            it, the sets are compared by headers and a sample of bytes only, and the load warns that it did not
+            check the rest.
 
     Example::
 
@@ -87,6 +93,7 @@ class LoadOptions:
     progress: bool | None = None
     mmap: bool = False
     prefer: str | None = None
+    verify_weight_sets: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
@@ -119,6 +126,7 @@ class LoadOptions:
             ("mmap", self.mmap, isinstance(self.mmap, bool), "True or False"),
             ("disk_offload", self.disk_offload, isinstance(self.disk_offload, bool), "True or False"),
             ("prefer", self.prefer, self.prefer is None or isinstance(self.prefer, str), "a file name, a format or None"),
+            ("verify_weight_sets", self.verify_weight_sets, isinstance(self.verify_weight_sets, bool), "True or False"),
         ]
         for name, value, ok, expected in checks:
             if not ok:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +51,9 @@ class PreparedLoad:
             (``runtime/execution.py``).
         device: where buffers and caches go: the execution device, else ``options.device``, else CPU.
         source: the resolved checkpoint the plan was made from (its conversion, its stored weights).
+        dtypes: the floating tensors (by name) the model family's own loader keeps in another dtype than
+            ``options.dtype`` (see :meth:`~lightning_lowmem.placement.Architecture.load_dtypes`); empty when the face
+            casts every tensor to one dtype (Lightning's precision plugins).
     """
 
     module: nn.Module
@@ -61,6 +64,14 @@ class PreparedLoad:
     placement: PlacementPlan | None = None
     execution: ExecutionPlan | None = None
     device: torch.device = torch.device("cpu")
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def dtype_of(self, name: str, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype the module's tensor ``name`` ends in: its family's (``dtypes``), else ``options.dtype`` for a
+        floating one, else its own."""
+        if not tensor.is_floating_point():
+            return tensor.dtype
+        return self.dtypes.get(name) or self.options.dtype or tensor.dtype
 
     @property
     def combine(self) -> Combine | None:
@@ -75,7 +86,8 @@ class PreparedLoad:
 
 @quietly
 def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, check_keys: bool = True,
-                 kv_cache_bytes: int | None = None, activation_bytes: int | None = None) -> PreparedLoad:
+                 kv_cache_bytes: int | None = None, activation_bytes: int | None = None,
+                 family_dtypes: bool = True) -> PreparedLoad:
     """Plan the load of ``source`` into ``module`` under ``options``; reads no weight.
 
     Args:
@@ -88,6 +100,9 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
             the caller (``plan.check_keys``), which may allow some missing tensors (added adapters).
         kv_cache_bytes, activation_bytes: with ``max_memory``, what the execution device reserves for caches
             and activations instead of the model architecture's estimates.
+        family_dtypes: give each tensor the dtype the model family's own loader gives it (transformers'
+            ``from_pretrained``: RoPE inverse frequencies and keep-in-fp32 modules in float32); False (the Lightning
+            faces, whose precision plugin casts the whole module): every floating tensor in ``options.dtype``.
 
     Raises:
         CheckpointMismatchError: shapes differ, or (strict) keys are missing or unexpected.
@@ -98,11 +113,13 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
         source.conversion.apply_ties(module)
     tie_as_saved(module, source)
     stored = source.stored
+    dtypes = architecture_of(module).load_dtypes(module, options.dtype) if family_dtypes and options.dtype else {}
     plan = make_plan(module, source.records, key_map=source.key_map, dtype=options.dtype, device=options.device,
-                     combine=source.combine, stored=stored.weights or None, files=source.description)
+                     combine=source.combine, stored=stored.weights or None, files=source.description, dtypes=dtypes)
     if check_keys:
         plan.check_keys(strict=options.strict is not False)
-    prepared = PreparedLoad(module, options, plan, source, device=options.device or torch.device("cpu"))
+    prepared = PreparedLoad(module, options, plan, source, device=options.device or torch.device("cpu"),
+                            dtypes=dtypes)
     if stored:
         prepared.selection = mark_stored(module, plan, stored)
     elif options.scheme is not None:

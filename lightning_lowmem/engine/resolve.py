@@ -127,7 +127,7 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
             path = Path(checkpoint).expanduser()
             if not path.exists():
                 raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
-            choice = choose_set(path, module, options.prefer, stack)
+            choice = choose_set(path, module, options.prefer, stack, verify=options.verify_weight_sets)
             ckpt, why = choice.checkpoint, choice.why
         log.info("Checkpoint: %s", why)
         source = source_of(ckpt, module, options, why)
@@ -137,14 +137,14 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
 
 @contextlib.contextmanager
 def opened(checkpoint: str | Path | Checkpoint, module: nn.Module | None = None,
-           prefer: str | None = None) -> Iterator[Checkpoint]:
-    """The checkpoint a path stands for (chosen as :func:`resolved` chooses it), open for the block; an open
-    :class:`Checkpoint` is passed through and left open."""
+           prefer: str | None = None, verify: bool = False) -> Iterator[Checkpoint]:
+    """The checkpoint a path stands for (chosen as :func:`resolved` chooses it, ``verify`` as
+    ``verify_weight_sets``), open for the block; an open :class:`Checkpoint` is passed through and left open."""
     if isinstance(checkpoint, Checkpoint):
         yield checkpoint
         return
     with contextlib.ExitStack() as stack:
-        yield choose_set(Path(checkpoint).expanduser(), module, prefer, stack).checkpoint
+        yield choose_set(Path(checkpoint).expanduser(), module, prefer, stack, verify).checkpoint
 
 
 @quietly

@@ -1,40 +1,59 @@
-"""A directory holding several weight sets: the same tensors (read the one the module takes best), or not (an error).
+"""A directory holding several weight sets: which one is read, and what was checked before saying so.
 
 A checkpoint directory often holds the same weights twice: litgpt's ``lit_model.pth`` beside the HF files it
 was converted from, ``model.safetensors`` beside ``pytorch_model.bin``, ``last.ckpt`` beside the epoch's
-``.ckpt``. It may also hold two different ones: an older ``lit_model.pth`` beside a newer quantized copy.
-Which one a face reads must never depend on which face it is, and never be a guess. So the sets are
-compared, from headers and a sample of bytes:
+``.ckpt``. It may also hold two different ones: an older ``lit_model.pth`` beside a newer quantized copy, two
+fine-tunes of one base. Which one a face reads must never depend on which face it is, and two sets are never
+said to be the same unless every byte was compared. So the sets are compared:
 
-* their tensors under the names the module takes them by (each set through its own conversion, so HF and
-  litgpt names compare), with their shapes and dtypes, and whether each is stored quantized;
-* the bytes of a sample of every tensor both hold as stored: the first row (a small tensor whole).
+* by headers: their tensors under the names the module takes them by (each set through its own conversion, so
+  HF and litgpt names compare), their shapes and dtypes, and whether each is stored quantized. Any difference:
+  an :class:`~lightning_lowmem.errors.AmbiguousCheckpointError` naming both sets, the difference and how to pick;
+* by a sample of bytes (a small tensor whole, a larger one's first row): a difference is an error as above. Equal
+  samples prove nothing about the rest;
+* with ``verify_weight_sets=True``, by every byte of every tensor, as the module would get it (combined tensors
+  built by their conversion, stored-quantized ones part by part): equal -> the sets hold the same tensors; any
+  difference -> the error above. The cost is reading every set once, before the load.
 
-The same tensors: the set whose names the module takes as they are is read (no conversion), else the first
-in the documented order (:data:`~lightning_lowmem.formats.discovery.WEIGHT_ORDER`). Different ones: an
-:class:`~lightning_lowmem.errors.AmbiguousCheckpointError` naming both, the first difference, and how to
-pick (``prefer=``, ``--weights``, or the file's own path).
+Headers and samples agreeing, without ``verify_weight_sets``: the set whose names the module takes as they are
+is read (no conversion), else the first in the documented order
+(:data:`~lightning_lowmem.formats.discovery.WEIGHT_ORDER`), with an
+:class:`~lightning_lowmem.errors.UnverifiedWeightsWarning` naming both sets and how to choose (``prefer=``,
+``--weights``) or compare them (``verify_weight_sets=True``, ``--verify_weight_sets``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from lightning_lowmem.errors import AmbiguousCheckpointError, CheckpointNotFoundError, format_names
+from lightning_lowmem.errors import (
+    AmbiguousCheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    NoStateDictError,
+    UnverifiedWeightsWarning,
+    format_names,
+)
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.formats.discovery import WeightSet, weight_sets
-from lightning_lowmem.plan import apply_key_map, guess_prefix
+from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.plan import Combine, apply_key_map, guess_prefix
 from lightning_lowmem.plan.combine import combined_record
-from lightning_lowmem.plan.conversions import find_conversion
-from lightning_lowmem.quantize.stored import find_stored
+from lightning_lowmem.plan.conversions import Transform, find_conversion
+from lightning_lowmem.quantize.stored import StoredWeight, find_stored
+
+log = logging.getLogger(__name__)
 
 SAMPLE_BYTES = 64 * 2**10
-"""A tensor up to this size is compared whole; a larger one by its first row."""
+"""A tensor up to this size is sampled whole; a larger one by its first row."""
 
 KINDS = {"safetensors": (".safetensors",), "torch": (".pth", ".pt", ".bin", ".ckpt"), "gguf": (".gguf",)}
 """What ``prefer=`` may name besides a file: a format, told by the weight files' names."""
@@ -59,13 +78,21 @@ class Chosen:
     why: str
 
 
-def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: contextlib.ExitStack) -> Choice:
+def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: contextlib.ExitStack,
+               verify: bool = False) -> Choice:
     """The checkpoint ``path`` stands for, opened on ``stack``, and why it was chosen.
+
+    Args:
+        verify: compare every byte of the directory's weight sets (``verify_weight_sets``) instead of warning that
+            they were compared by headers and samples only.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no weights.
         AmbiguousCheckpointError: several different weight sets (see the module docstring).
         ValueError: ``prefer`` names none of the directory's weight sets.
+
+    Warns:
+        UnverifiedWeightsWarning: several sets agree by headers and samples, and ``verify`` is off.
     """
     if not path.is_dir():
         return Choice(stack.enter_context(Checkpoint.open(path)), path, f"{path}: the file given")
@@ -74,7 +101,12 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
         note = f" (prefer={prefer!r})" if prefer else ""
         return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path,
                       f"{sets[0].path}: the only weights in {path}{note}")
-    views = [_View.of(s, stack.enter_context(Checkpoint.open(s.path)), module) for s in sets]
+    opened = _open_sets(path, sets, stack)
+    if len(opened) == 1:
+        (weight_set, ckpt), = opened.items()
+        return Choice(ckpt, weight_set.path, f"{weight_set.path}: the only weights in {path} (the other files there "
+                                             "hold no state dict)")
+    views = [_View.of(s, ckpt, module) for s, ckpt in opened.items()]
     for other in views[1:]:
         difference = views[0].difference(other)
         if difference:
@@ -82,28 +114,71 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
     chosen = next((v for v in views if v.native), views[0])
     by_names = module is not None and chosen.native and not all(v.native for v in views)
     reason = "the names the module takes as they are" if by_names else "the first in the documented order"
-    same = format_names((v.set.name for v in views if v is not chosen), quote=False)
-    return Choice(chosen.ckpt, chosen.set.path, f"{chosen.set.path}: {reason}; {same} in {path} hold the same tensors")
+    others = [v for v in views if v is not chosen]
+    if verify:
+        return Choice(chosen.ckpt, chosen.set.path, f"{chosen.set.path}: {reason}; {_verified(path, chosen, others)}")
+    names = format_names((v.set.name for v in others), quote=False)
+    warnings.warn(_unverified_message(path, chosen, others, reason), UnverifiedWeightsWarning, stacklevel=2)
+    return Choice(chosen.ckpt, chosen.set.path,
+                  f"{chosen.set.path}: {reason}; {names} in {path} not compared byte for byte (names, shapes, dtypes "
+                  "and sampled bytes agree; verify_weight_sets=True compares every byte)")
+
+
+def _open_sets(directory: Path, sets: list[WeightSet], stack: contextlib.ExitStack) -> dict[WeightSet, Checkpoint]:
+    """Each set opened on ``stack`` (headers only); a torch file holding no state dict (a bare tensor saved beside
+    the weights) is no weight set: left out, with a warning naming it.
+
+    Raises:
+        NoStateDictError: no set holds a state dict.
+    """
+    opened: dict[WeightSet, Checkpoint] = {}
+    skipped: list[NoStateDictError] = []
+    for weight_set in sets:
+        try:
+            opened[weight_set] = stack.enter_context(Checkpoint.open(weight_set.path))
+        except NoStateDictError as e:
+            skipped.append(e)
+    if not opened:
+        raise skipped[0]
+    for e in skipped:
+        warnings.warn(f"{e} It is not one of the weight sets of {directory}: left out "
+                      f"({format_names((s.name for s in opened), quote=False)} considered).", UserWarning, stacklevel=3)
+    return opened
 
 
 def candidate_sets(directory: Path, prefer: str | None = None) -> list[WeightSet]:
     """The weight sets of ``directory`` (:func:`~lightning_lowmem.formats.discovery.weight_sets`) that ``prefer``
-    names (all without it).
+    names (all without it), each checked to be readable (an index's shards all there): a set ``prefer`` leaves out
+    is not.
 
     Raises:
-        CheckpointNotFoundError: ``directory`` does not exist or holds no weights.
+        CheckpointNotFoundError: ``directory`` does not exist or holds no weights; a shard a candidate index names
+            is missing.
+        CheckpointFormatError: a candidate index is malformed or names files outside the directory.
         ValueError: ``prefer`` names none of them.
     """
     if not directory.exists():
         raise CheckpointNotFoundError(f"Checkpoint {str(directory)!r} does not exist. Check the path.")
     sets = weight_sets(directory)
-    if prefer is None:
-        return sets
-    found = [s for s in sets if s.name == prefer or (prefer in KINDS and _kind(s) == prefer)]
-    if not found:
-        raise ValueError(f"prefer={prefer!r} (--weights) names none of the weight sets in {directory} "
-                         f"({format_names(s.name for s in sets)}); name one of them, or a format: {', '.join(KINDS)}.")
-    return found
+    if prefer is not None:
+        found = [s for s in sets if s.name == prefer or (prefer in KINDS and _kind(s) == prefer)]
+        if not found:
+            raise ValueError(f"prefer={prefer!r} (--weights) names none of the weight sets in {directory} "
+                             f"({format_names(s.name for s in sets)}); name one of them, or a format: "
+                             f"{', '.join(KINDS)}.")
+        sets, others = found, [s for s in sets if s not in found]
+    else:
+        others = sets
+    for weight_set in sets:
+        try:
+            weight_set.check()
+        except (CheckpointNotFoundError, CheckpointFormatError) as e:
+            readable = [s.name for s in others if s is not weight_set and s.problem is None]
+            if not readable:
+                raise
+            raise type(e)(f"{e} Or read another weight set of {directory}: prefer={readable[0]!r} (command line: "
+                          f"--weights {readable[0]}).") from e
+    return sets
 
 
 def _kind(weight_set: WeightSet) -> str:
@@ -118,6 +193,37 @@ def _ambiguous_message(directory: Path, first: WeightSet, second: WeightSet, dif
             "remove the one that is stale.")
 
 
+def _unverified_message(directory: Path, chosen: _View, others: list[_View], reason: str) -> str:
+    other = others[0].set.name
+    total = sum(v.nbytes for v in (chosen, *others))
+    return (f"{directory} holds {len(others) + 1} weight sets ({chosen.set.name} and "
+            f"{format_names((v.set.name for v in others), quote=False)}) whose tensor names, shapes and dtypes agree, "
+            f"and so do the bytes sampled from each; {chosen.set.name} is read ({reason}). The rest of their bytes "
+            f"were not compared: {other} may hold other values. Pass prefer={chosen.set.name!r} (command line: "
+            f"--weights {chosen.set.name}) to read it without this warning, or prefer={other!r} for the other; or "
+            f"verify_weight_sets=True (--verify_weight_sets) to compare every byte first (reads "
+            f"{format_bytes(total)}) and load only if they are the same.")
+
+
+def _verified(directory: Path, chosen: _View, others: list[_View]) -> str:
+    """Every byte of ``others`` compared with ``chosen``'s: what to say when they are the same.
+
+    Raises:
+        AmbiguousCheckpointError: the first difference.
+    """
+    read = 0
+    for other in others:
+        difference, nbytes = chosen.compare_bytes(other)
+        read += nbytes
+        if difference:
+            raise AmbiguousCheckpointError(_ambiguous_message(directory, chosen.set, other.set, difference))
+    names = format_names((v.set.name for v in others), quote=False)
+    log.info("%s: every byte of %s compared with %s: the same (%s read)", directory, names, chosen.set.name,
+             format_bytes(read))
+    return (f"{names} in {directory} {'holds' if len(others) == 1 else 'hold'} the same tensors (every byte "
+            f"compared, {format_bytes(read)} read)")
+
+
 @dataclass
 class _View:
     """One weight set as the module would take it: module name -> the record that fills it (as stored)."""
@@ -127,7 +233,9 @@ class _View:
     native: bool
     plain: dict[str, TensorRecord] = field(default_factory=dict)
     built: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    stored: dict[str, str] = field(default_factory=dict)
+    stored: dict[str, StoredWeight] = field(default_factory=dict)
+    combine: Combine | None = None
+    transform: Transform | None = None
 
     @classmethod
     def of(cls, weight_set: WeightSet, ckpt: Checkpoint, module: nn.Module | None) -> _View:
@@ -143,15 +251,23 @@ class _View:
             if name is not None:
                 view.plain[name] = rec
                 if key in stored.weights:
-                    view.stored[name] = stored.weights[key].scheme_name
+                    view.stored[name] = stored.weights[key]
         if conversion is not None and conversion.combine is not None:
+            view.combine, view.transform = stored.expand(conversion.combine), conversion.transform
             for name in conversion.combine.sources:
                 found = combined_record(conversion.combine, [name], records)
                 view.built[name] = found.record.shape if found.record is not None else ()
+        elif conversion is not None:
+            view.transform = conversion.transform
         return view
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the set's files hold (what comparing every byte reads of it)."""
+        return sum(rec.tensor_nbytes for rec in self.ckpt.records.values())
+
     def difference(self, other: _View) -> str:
-        """The first way ``other`` holds other tensors than this one, or ``""`` when it holds the same."""
+        """The first way ``other`` holds other tensors than this one by headers and sampled bytes, or ``""``."""
         mine, theirs = {**self.shapes(), **self.built}, {**other.shapes(), **other.built}
         if set(mine) != set(theirs):
             only = sorted(set(mine) ^ set(theirs))
@@ -163,21 +279,50 @@ class _View:
             a, b = self.plain.get(name), other.plain.get(name)
             if a is None or b is None or name in self.built or name in other.built:
                 continue
-            if (a.dtype, self.stored.get(name)) != (b.dtype, other.stored.get(name)):
+            if (a.dtype, self._scheme(name)) != (b.dtype, other._scheme(name)):
                 return (f"{name!r} is {self._form(name)} in {self.set.name} and {other._form(name)} in "
                         f"{other.set.name}")
             samples = (_sample(self.ckpt, a), _sample(other.ckpt, b)) if name not in self.stored else (None, None)
             if samples[0] is not None and samples[1] is not None:
-                if not torch.equal(*samples):
+                if not _same_bytes(*samples):
                     return f"the values of {name!r} differ"
                 compared += 1
         return "" if compared else "no tensor of one could be compared with the other's"
 
+    def compare_bytes(self, other: _View) -> tuple[str, int]:
+        """The first tensor whose bytes differ between the two sets (``""`` if none), and the bytes read; one
+        tensor of each at a time."""
+        read = 0
+        for name in {**self.shapes(), **self.built}:
+            for (role, a), (_, b) in zip(self.pieces(name), other.pieces(name), strict=True):
+                read += _stored_nbytes(a) + _stored_nbytes(b)
+                if not _same_bytes(a, b):
+                    what = f"{name!r} ({role})" if role else repr(name)
+                    return f"the bytes of {what} differ (every byte compared)", read
+        return "", read
+
+    def pieces(self, name: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the module gets for ``name`` from this set, read now: a stored-quantized weight's parts by role, else
+        the tensor (built by the conversion, rewritten by its transform)."""
+        if name in self.stored and name not in self.built:
+            for role, rec in sorted(self.stored[name].roles.items()):
+                yield role, self.ckpt.read(rec.key)
+            return
+        if name in self.built:
+            tensor = self.combine.fn(name, {key: self.ckpt.read(key) for key in self.combine.sources[name]})
+        else:
+            tensor = self.ckpt.read(self.plain[name].key)
+        yield "", self.transform(name, tensor) if self.transform is not None else tensor
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: rec.shape for name, rec in self.plain.items()}
 
+    def _scheme(self, name: str) -> str | None:
+        weight = self.stored.get(name)
+        return weight.scheme_name if weight is not None else None
+
     def _form(self, name: str) -> str:
-        scheme = self.stored.get(name)
+        scheme = self._scheme(name)
         return f"quantized ({scheme})" if scheme else str(self.plain[name].dtype).removeprefix("torch.")
 
 
@@ -188,3 +333,19 @@ def _sample(ckpt: Checkpoint, rec: TensorRecord) -> torch.Tensor | None:
     if len(rec.shape) >= 2 and rec.shape[0] > 0 and ckpt.reads_rows(rec.key):
         return ckpt.read_rows(rec.key, 0, 1)
     return None
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same shape, dtype and bytes (NaNs and signed zeros compared as bytes)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+
+def _stored_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -101,16 +101,29 @@ class WeightSet:
     Attributes:
         path: what a load opens: the file, or the ``*.index.json``.
         rank: its place in :data:`WEIGHT_ORDER` (lower comes first).
-        shards: the files an index names (empty for a single file).
+        shards: the files an index names that are there (empty for a single file).
+        problem: why an index cannot be read (malformed, a name outside the directory, a shard missing), raised
+            by :meth:`check` when the set is a candidate: a stale index beside the set ``prefer`` names is no error.
     """
 
     path: Path
     rank: int
     shards: tuple[Path, ...] = ()
+    problem: Exception | None = None
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    def check(self) -> None:
+        """Raise :attr:`problem`, if any.
+
+        Raises:
+            CheckpointFormatError: the index is malformed or names files outside the directory.
+            CheckpointNotFoundError: a shard it names is missing.
+        """
+        if self.problem is not None:
+            raise self.problem
 
 
 def locate(path: str | Path) -> Path:
@@ -119,7 +132,8 @@ def locate(path: str | Path) -> Path:
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, or the directory holds no checkpoint.
         AmbiguousCheckpointError: the directory holds several weight sets (``load_checkpoint`` and every face
-            compare them and read one when they hold the same tensors; this function does not read them).
+            compare them; this function does not read them).
+        CheckpointFormatError: the one index there is malformed or names files outside the directory.
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -130,8 +144,8 @@ def locate(path: str | Path) -> Path:
     if len(sets) > 1:
         raise AmbiguousCheckpointError(
             f"{path} holds {len(sets)} weight sets ({format_names(s.name for s in sets)}). Pass the file to load "
-            f"({path / sets[0].name}), or load through load_checkpoint, which reads one of them when they hold the "
-            "same tensors.")
+            f"({path / sets[0].name}), or load through load_checkpoint, which compares them (prefer= picks one).")
+    sets[0].check()
     return sets[0].path
 
 
@@ -139,15 +153,15 @@ def weight_sets(directory: Path) -> list[WeightSet]:
     """Every set of weights in ``directory``, in :data:`WEIGHT_ORDER`; each index with the shards it names.
 
     Names starting with ``.`` (a save in progress, editor files) and files of a training run that hold no
-    weights (:data:`NOT_WEIGHTS`) are not weights; a shard named by an index belongs to that index alone.
+    weights (:data:`NOT_WEIGHTS`) are not weights; a shard named by an index belongs to that index alone. An index
+    that cannot be read is listed with its :attr:`WeightSet.problem` (:meth:`WeightSet.check` raises it).
 
     Raises:
         CheckpointNotFoundError: the directory holds no weights.
-        CheckpointFormatError: an index there is malformed or names files outside the directory.
     """
     files = sorted(p for p in directory.iterdir() if is_weight_name(p.name) and p.is_file())
     indexes = [p for p in files if p.name.endswith(".index.json")]
-    sets = [WeightSet(p, _rank(p.name), tuple(shards_of_index(p, _read_index(p)))) for p in indexes]
+    sets = [_index_set(p) for p in indexes]
     sharded = {shard for s in sets for shard in s.shards}
     sets += [WeightSet(p, _rank(p.name)) for p in files if p not in indexes and p not in sharded]
     if not sets:
@@ -155,6 +169,18 @@ def weight_sets(directory: Path) -> list[WeightSet]:
             f"{directory} holds no checkpoint (looked for {', '.join(WEIGHT_ORDER)}). Pass the file, or the "
             "directory it is in.")
     return sorted(sets, key=lambda s: (s.rank, s.name))
+
+
+def _index_set(index: Path) -> WeightSet:
+    """An index and the shards it names that are there; what is wrong with it kept as its problem."""
+    try:
+        return WeightSet(index, _rank(index.name), tuple(shards_of_index(index, _read_index(index))))
+    except CheckpointNotFoundError as e:  # shards missing: those there still belong to it, not to a set of their own
+        names = set(_weight_map(index, _read_index(index)).values())
+        present = sorted(index.parent / n for n in names if _inside(n) and (index.parent / n).is_file())
+        return WeightSet(index, _rank(index.name), tuple(present), problem=e)
+    except CheckpointFormatError as e:
+        return WeightSet(index, _rank(index.name), problem=e)
 
 
 def is_weight_name(name: str) -> bool:

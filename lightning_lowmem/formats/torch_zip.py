@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_lowmem.errors import CheckpointFormatError, UnsafeCheckpointError, format_names
+from lightning_lowmem.errors import CheckpointFormatError, NoStateDictError, UnsafeCheckpointError, format_names
 from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
 from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
@@ -188,7 +188,7 @@ class TorchZipFile(OpenedFile):
                 f"{format_names(sorted(self.inert))}, which lightning_lowmem never imports or runs (nothing was "
                 "run). If you trust the file, load it with torch.load(weights_only=False) and save its state_dict() "
                 "with safetensors.torch.save_file.")
-        raise CheckpointFormatError(
+        raise NoStateDictError(
             f"{self.path} holds a {type(obj).__name__} with no tensors at its top level nor under 'state_dict' "
             "(Lightning) or 'model' (Fabric). Save the model's state_dict() and load that file.")
 

@@ -131,9 +131,10 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
         module = self._parallelize_fn(module, self.device_mesh)
         if not isinstance(module, nn.Module):
             raise TypeError(f"The `parallelize_fn` must return a `nn.Module` instance, but got: {type(module).__name__}")
-        # Lightning's precision plugin converted every floating buffer (bf16-true: RoPE tables to bf16); those the
-        # model rebuilds when used are released, and rebuilt in the dtype its own code gives them (float32 RoPE).
-        architecture_of(module).before_load(module, self.root_device)
+        # Lightning's precision plugin converted every floating buffer (bf16-true: RoPE tables to bf16); its own
+        # materialization (to_empty + reset_parameters) rebuilds them after that, as the model's code gives them
+        # (litgpt: float32 RoPE tables): left so here, and again after each load
+        architecture_of(module).reset_buffers(module, self.root_device)
         allocation = allocate_shards(module, self.root_device)  # this rank's shards: memory, no init
         if allocation.names:
             guard_unfilled(module, allocation.names, _META_ADVICE)
@@ -176,6 +177,7 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
                            "only its shard.")
         self.loader.load(module, path, device=self.root_device, precision=self.precision, strict=strict,
                          unfilled=frozenset(unfilled(module)), optimizers=optimizers)
+        architecture_of(module).reset_buffers(module, self.root_device)  # as reset_parameters() leaves them
         unfilled(module).clear()
 
 

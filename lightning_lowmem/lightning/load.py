@@ -159,7 +159,9 @@ def load_into(
             log.info("Initialized %d parameters that are not in %s: %s", len(initialized), prepared.plan.files,
                      format_names(initialized))
 
-    return run_load(module, checkpoint, options, on_plan=initialize_added)
+    # Lightning's precision plugin casts the whole module (`module.to(dtype)`), so every floating tensor takes the
+    # load's dtype: no family's own dtypes (transformers' float32 inv_freq stays for load_checkpoint's face)
+    return run_load(module, checkpoint, options, on_plan=initialize_added, family_dtypes=False)
 
 
 def _added_parameters(module: nn.Module, plan: LoadPlan,

@@ -229,7 +229,8 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
         with ExitStack() as stack:  # opened once: headers, other entries, then the weights
-            ckpt = stack.enter_context(opened(path, prefer=self.options.prefer))
+            ckpt = stack.enter_context(opened(path, prefer=self.options.prefer,
+                                              verify=self.options.verify_weight_sets))
             rest = other_entries(ckpt, state, weights_only)
             key = weights_key(ckpt, state)
             _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)

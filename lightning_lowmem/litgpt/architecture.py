@@ -40,9 +40,11 @@ class LitgptArchitecture(Architecture):
     def matches(self, module: nn.Module) -> bool:
         return _gpt(module) is not None
 
-    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
+    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype,
+                    rope_dtype: torch.dtype | None = None) -> CacheBytes:
         """k/v from each block's ``build_kv_cache`` (sliding windows, latent attention as litgpt does them),
-        the mask from ``build_mask_cache``, RoPE from ``rope_cache()`` in ``dtype``: all built on meta."""
+        the mask from ``build_mask_cache``, RoPE from ``rope_cache()`` in ``rope_dtype`` (default ``dtype``): all
+        built on meta."""
         build_mask_cache = import_litgpt("litgpt.model", needed_by="Sizing litgpt's caches").build_mask_cache
 
         gpt = _gpt(module)
@@ -53,7 +55,7 @@ class LitgptArchitecture(Architecture):
             cache = block.attn.build_kv_cache(batch_size, length, gpt.rope_cache_length(), _META, dtype)
             kv += (cache.k.numel() + cache.v.numel()) * dtype.itemsize
         return CacheBytes(kv=kv, mask=mask.numel() * mask.element_size(),
-                          rope=(cos.numel() + sin.numel()) * dtype.itemsize,
+                          rope=(cos.numel() + sin.numel()) * (rope_dtype or dtype).itemsize,
                           length=length, batch_size=batch_size, dtype=dtype)
 
     def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
@@ -69,9 +71,16 @@ class LitgptArchitecture(Architecture):
                 + b * config.n_head * t * t * 4 + b * t * vocab * 4)
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
-        """Drop the RoPE tables to zero rows: they are built when first used, at the length used, in the dtype
-        litgpt's own code gives them; returns their names (``transformer.cos``)."""
+        """Drop the RoPE tables to zero rows: they are built when first used, at the length used, in the dtype the
+        zero-row tables have then (the load casts them as it casts every buffer; a precision plugin's conversion
+        converts them); returns their names (``transformer.cos``)."""
         return [f"{name}.{table}" if name else table for name in release_all_rope(module, device)
+                for table in ("cos", "sin")]
+
+    def reset_buffers(self, module: nn.Module, device: torch.device) -> list[str]:
+        """The RoPE tables as litgpt's ``reset_parameters()`` leaves them (FSDP2's materialization calls it after the
+        precision plugin converted the model): zero rows in float32, the dtype ``rope_cache()`` gives them."""
+        return [f"{name}.{table}" if name else table for name in release_all_rope(module, device, own=True)
                 for table in ("cos", "sin")]
 
     def fills(self, module: nn.Module) -> set[str]:

@@ -35,9 +35,11 @@ from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundErr
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
+from lightning_lowmem.litgpt.architecture import LITGPT
 from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.meta import init_empty
 from lightning_lowmem.quiet import quietly
 
@@ -69,9 +71,9 @@ class LitgptCheckpoint:
     @classmethod
     @quietly
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
-             require_config: bool = True, tokenizer: bool = True) -> LitgptCheckpoint:
+             require_config: bool = True, tokenizer: bool = True, verify: bool = False) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
-        directory holds several).
+        directory holds several; every byte with ``verify``, the ``verify_weight_sets`` option).
 
         With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only).
 
@@ -85,7 +87,7 @@ class LitgptCheckpoint:
         directory = path if path.is_dir() else path.parent
         if not path.exists():
             raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
-        weights, why = _chosen_weights(path, config, prefer)
+        weights, why = _chosen_weights(path, config, prefer, verify)
         if _is_gguf(weights):
             return cls._from_gguf(directory, weights, config, why, tokenizer)
         origin = "given"
@@ -122,7 +124,7 @@ class LitgptCheckpoint:
         return cls(directory, weights, config, source.tokenizer, source, why=why, config_source=origin)
 
 
-def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple[Path, str]:
+def _chosen_weights(path: Path, config: Any | None, prefer: str | None, verify: bool = False) -> tuple[Path, str]:
     """The weights the resolver chooses for ``path``; several sets in a directory are compared on the model the
     directory's config builds (on their own names without one)."""
     if not path.is_dir():
@@ -134,7 +136,7 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple
     if config is not None:
         _check_fits(config, sets[0].path)  # before a model is built from it to compare the sets
     with contextlib.ExitStack() as stack:
-        choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack)
+        choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack, verify)
     return choice.path, choice.why
 
 
@@ -177,7 +179,10 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)
     report = run_load(model, checkpoint.chosen, options)
-    return fabric.setup_module(model).eval(), report
+    model = fabric.setup_module(model).eval()
+    if generation_rope_dtype(options.dtype, options.scheme) != options.dtype:  # as litgpt's generate leaves them
+        LITGPT.reset_buffers(model, device)
+    return model, report
 
 
 def _is_gguf(path: Path) -> bool:

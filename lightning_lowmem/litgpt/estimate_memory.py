@@ -32,6 +32,7 @@ from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.formats.read_speed import measure_read_speed
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, build_meta_model
@@ -113,7 +114,7 @@ def estimate_memory(
         note = _read_bandwidth(prepared.placement, source, read_bandwidth)
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
-                            with_caches=is_litgpt)
+                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme))
     est.tokenizer = tokenizer
     if not is_litgpt:
         built = f"the {name} its config.json describes (transformers), built on meta" if hasattr(model, "config") \
@@ -151,7 +152,8 @@ def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
                                    Path("<config>"))
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
         return model, records_source(records, options, f"the config {source.name!r}"), source.name, 0
-    found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False, tokenizer=False)
+    found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False, tokenizer=False,
+                                  verify=options.verify_weight_sets)
     model = build_meta_gpt(found.config) if found.config is not None else None
     resolved_source = stack.enter_context(resolved(found.chosen, model, options))
     tokenizer = 0

@@ -142,7 +142,7 @@ def load_for_generation(
 
 def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None, options: LoadOptions) -> LitgptCheckpoint:
     if not isinstance(checkpoint, LitgptCheckpoint):
-        return LitgptCheckpoint.find(checkpoint, config, options.prefer)
+        return LitgptCheckpoint.find(checkpoint, config, options.prefer, verify=options.verify_weight_sets)
     return checkpoint if config is None else checkpoint.with_config(config)
 
 

@@ -5,9 +5,9 @@ litgpt's ``GPT`` answers a position past its KV cache with a bare
 :func:`install_cache_guard` adds a forward pre-hook to one model instance that
 
 * grows the RoPE tables to the length a forward needs (the KV cache's length,
-  or the sequence length without a cache) when they are shorter, and builds them
-  again in the dtype litgpt's own code gives them (float32) when a precision
-  plugin converted them since (Lightning's ``bf16-true``), and
+  or the sequence length without a cache) when they are shorter, in the dtype
+  the tables have (a precision plugin's conversion, ``model.to(dtype)``, converted
+  the short ones too: see :mod:`lightning_lowmem.litgpt.rope`), and
 * raises :class:`KVCacheTooShortError`, with the lengths, for positions or a
   batch the KV cache cannot hold.
 
@@ -32,22 +32,26 @@ def install_cache_guard(model: nn.Module) -> None:
         model.register_forward_pre_hook(_guard, with_kwargs=True)
 
 
-def release_rope(model: nn.Module, device: torch.device) -> bool:
+def release_rope(model: nn.Module, device: torch.device, own: bool = False) -> bool:
     """Drop a litgpt model's RoPE tables to zero rows on ``device``; they grow back when a forward needs them.
+
+    Args:
+        own: in the dtype litgpt's ``rope_cache()`` gives them (float32: what ``reset_parameters()`` rebuilds);
+            False: in the dtype they have now.
 
     Returns:
         Whether the model had litgpt's RoPE tables to release.
     """
     if not is_litgpt_like(model):
         return False
-    drop_rope(model, device)
+    drop_rope(model, device, own_dtype(model) if own else None)
     install_cache_guard(model)
     return True
 
 
-def release_all_rope(module: nn.Module, device: torch.device) -> list[str]:
+def release_all_rope(module: nn.Module, device: torch.device, own: bool = False) -> list[str]:
     """:func:`release_rope` on ``module`` and every submodule with litgpt's internals; returns their names."""
-    return [name for name, sub in module.named_modules() if release_rope(sub, device)]
+    return [name for name, sub in module.named_modules() if release_rope(sub, device, own)]
 
 
 def _guard(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -64,9 +68,9 @@ def _guard(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
 
 def _check_plain(model: nn.Module, length: int) -> None:
     """A forward without the KV cache: RoPE must cover ``length`` (litgpt raises past the block size)."""
-    if (model.cos.size(0) >= length and model.cos.dtype == own_dtype(model)) or length > model.config.block_size:
+    if model.cos.size(0) >= length or length > model.config.block_size:
         return
-    set_rope(model, max(length, model.cos.size(0)), model.cos.device)
+    set_rope(model, length, model.cos.device, model.cos.dtype)
     if length > model.max_seq_length:
         set_max_seq_length(model, length)
 
@@ -93,4 +97,4 @@ def _check_cached(model: nn.Module, batch: int, input_pos: torch.Tensor, maxp1: 
             needed=batch, available=cache.k.size(0),
         )
     if model.cos.size(0) < needed:
-        set_rope(model, capacity, model.cos.device)
+        set_rope(model, capacity, model.cos.device, model.cos.dtype)

@@ -139,9 +139,28 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
     unused = [key for key in records if conversion.renames[key] is None and key not in parts]
     conversion.sources.update(_incomplete(conversion.sources, unused))
     # the tensors litgpt builds by moving rows (q, k, v stacked; GPT-NeoX's fused qkv reordered head by head): read
-    # a run of rows at a time straight into place, where building them holds the parts and the result together
-    conversion._stacks = dict(with_stacks(Combine(conversion.sources, conversion._convert), records).stacks)
+    # a run of rows at a time straight into place, where building them holds the parts and the result together.
+    # Seen concatenated whole (torch.cat of the checkpoint's own tensors along rows): declared; others probed.
+    declared = _declared_stacks(state, conversion.sources, provenance, records)
+    conversion._stacks = dict(with_stacks(Combine(conversion.sources, conversion._convert, declared), records).stacks)
     return conversion
+
+
+def _declared_stacks(state: Mapping[str, torch.Tensor], sources: Mapping[str, tuple[str, ...]],
+                     provenance: _Provenance, records: Mapping[str, TensorRecord]) -> dict[str, Stack]:
+    """The tensors litgpt's conversion made by one ``torch.cat`` of its parts as they are, along their rows: where
+    each part starts (in the order of ``sources``)."""
+    stacks = {}
+    for name, tensor in state.items():
+        order = provenance.concatenated.get(id(tensor))
+        if (order is None or name not in sources or sorted(order) != sorted(sources[name])
+                or len(set(order)) != len(order)):
+            continue
+        starts, row = {}, 0
+        for key in order:
+            starts[key], row = row, row + records[key].shape[0]
+        stacks[name] = Stack(tuple(starts[key] for key in sources[name]), records[order[0]].shape[1:])
+    return stacks
 
 
 def _copy_function(config: Any) -> Copy:
@@ -207,6 +226,9 @@ class _Provenance(TorchFunctionMode):
     def __init__(self, inputs: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
         self.sources: dict[int, frozenset[str]] = {id(t): frozenset([k]) for k, t in inputs.items()}
+        self.concatenated: dict[int, tuple[str, ...]] = {}
+        """``id`` -> the input keys, in order, of a tensor made by ``torch.cat`` of inputs as they are, along rows."""
+        self._inputs = {id(t): k for k, t in inputs.items()}
         self._alive = list(inputs.values())  # ids stay unique while traced tensors are alive
 
     def get(self, tensor_id: int) -> frozenset[str]:
@@ -221,7 +243,16 @@ class _Provenance(TorchFunctionMode):
                 if isinstance(t, torch.Tensor) and id(t) not in self.sources:
                     self.sources[id(t)] = used
                     self._alive.append(t)
+            self._note_cat(func, args, kwargs or {}, out)
         return out
+
+    def _note_cat(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if func not in (torch.cat, torch.concat, torch.concatenate) or not isinstance(out, torch.Tensor):
+            return
+        tensors, dim = args[0] if args else kwargs.get("tensors"), args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if dim == 0 and isinstance(tensors, (list, tuple)) and tensors \
+                and all(isinstance(t, torch.Tensor) and t.dim() > 0 and id(t) in self._inputs for t in tensors):
+            self.concatenated[id(out)] = tuple(self._inputs[id(t)] for t in tensors)
 
 
 def _incomplete(sources: dict[str, tuple[str, ...]], unused: list[str]) -> dict[str, tuple[str, ...]]:

@@ -11,7 +11,8 @@ and ``clear_kv_cache()``) keeps three kinds of generation state::
 litgpt 0.5.13 allocates the k/v caches in fp32 when no dtype is passed (its
 Python API never passes one) and leaves ``max_seq_length`` -- and with it the
 RoPE tables -- at the model's whole context. :func:`setup_kv_cache` sizes all
-three to the request, in the model's dtype, on the model's device.
+three to the request, k/v in the model's dtype and the RoPE tables in the dtype
+they have, on the model's device.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def setup_kv_cache(
         batch_size: sequences generated at once.
         max_seq_length: positions to hold: prompt + max_new_tokens.
         device: where the caches go; default: where the model's parameters are.
-        dtype: k/v and RoPE dtype; default: the model's floating-point dtype
-            (never fp32 unless the model is fp32).
-        rope_dtype: the RoPE tables' dtype when it is not ``dtype`` (litgpt's chat computes them in fp32).
+        dtype: the k/v dtype; default: the model's floating-point dtype (never fp32 unless the model is fp32).
+        rope_dtype: the RoPE tables' dtype; default: the dtype they have (only their length changes: a model loaded
+            in bf16 or converted by Lightning's ``bf16-true`` has bf16 tables, as litgpt's generate has them; one
+            whose tables litgpt computed again, as its ``max_seq_length`` setter and ``reset_parameters()`` do,
+            float32), else ``dtype``.
 
     Returns:
         The bytes this call allocated for caches (0 when the existing ones were reused).
@@ -83,7 +86,7 @@ def setup_kv_cache(
                 cache.v.zero_()
             return 0
         model.clear_kv_cache()  # free the old caches before allocating the new ones
-        resize_rope(model, max_seq_length, device, rope_dtype or dtype)
+        resize_rope(model, max_seq_length, device, rope_dtype or _rope_dtype(model) or dtype)
         _build_mask(model, max_seq_length, device)
         kept = _storages(model)
         _raw_set_kv_cache(model)(model, batch_size, max_seq_length=max_seq_length, device=device, dtype=dtype)
@@ -170,6 +173,12 @@ def _fits(model: nn.Module, current: CacheBytes, batch_size: int, length: int, d
         return False
     rope = getattr(model, "cos", None)
     return not isinstance(rope, torch.Tensor) or rope.size(0) >= length and model.max_seq_length >= length
+
+
+def _rope_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's RoPE tables now (None without floating tables)."""
+    table = getattr(model, "cos", None)
+    return table.dtype if isinstance(table, torch.Tensor) and table.is_floating_point() else None
 
 
 def _build_mask(model: nn.Module, length: int, device: torch.device) -> None:

@@ -1,14 +1,16 @@
-"""litgpt's RoPE tables: built when first needed, at the length asked for, in the dtype litgpt's own code gives them.
+"""litgpt's RoPE tables: built when first needed, at the length asked for, in the dtype the same code without this
+library gives them.
 
 litgpt's ``GPT`` builds its RoPE tables for the whole context in ``__init__``
 (Llama-3.1-8B: 131072 x 128 x 2 fp32 = 128 MiB). Here they are dropped to zero
 rows after a load (:func:`drop_rope`) and built by litgpt's own ``rope_cache()``
 at the length a request needs (:func:`resize_rope`, :func:`set_rope`).
 
-Their dtype is the one ``rope_cache()`` gives them (:func:`own_dtype`: float32), whatever a precision
-plugin did to the model since: Lightning's ``bf16-true`` converts every floating buffer to bf16, and
-litgpt's own ``reset_parameters()`` (which Lightning calls after that conversion) builds them in float32
-again. Tables kept in bf16 give other logits (positions rounded to 8 bits of mantissa).
+The zero-row tables stand in for the whole ones: whatever converts the model converts them too, and the tables built
+later take their dtype. So the tables end in the dtype each path gives them without the library: ``rope_cache()``
+computes them in float32 (:func:`own_dtype`); ``model.to(dtype)`` and Lightning's one-device ``bf16-true``
+(``precision.convert_module``) cast them to bf16; FSDP2's ``reset_parameters()`` and litgpt's ``max_seq_length``
+setter compute them again in float32 (:func:`drop_rope` with ``own_dtype``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ def own_dtype(model: nn.Module) -> torch.dtype:
     return dtype
 
 
-def drop_rope(model: nn.Module, device: torch.device) -> None:
-    """Drop a litgpt model's RoPE tables to zero rows on ``device``, in their own dtype (the cache guard grows
-    them back)."""
-    dtype = own_dtype(model)
+def generation_rope_dtype(dtype: torch.dtype, scheme: object | None) -> torch.dtype:
+    """The dtype litgpt's own ``litgpt generate`` leaves its RoPE tables in: the precision's (``bf16-true`` converts
+    them with the model), float32 when it quantizes with bitsandbytes (Lightning's ``BitsandbytesPrecision`` converts
+    no buffer: the tables stay as ``rope_cache()`` computed them)."""
+    return torch.float32 if str(getattr(scheme, "name", "")).startswith("bnb.") else dtype
+
+
+def drop_rope(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Drop a litgpt model's RoPE tables to zero rows on ``device``, in ``dtype`` (None: the dtype they have now; the
+    cache guard grows them back in the dtype the zero-row tables have then)."""
     for name in ("cos", "sin"):
         table = getattr(model, name)
-        setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=dtype, device=device))
+        setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=dtype or table.dtype, device=device))
 
 
 def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype) -> None:

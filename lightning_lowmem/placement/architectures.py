@@ -14,6 +14,7 @@ The engine knows no model family by name: the litgpt face registers litgpt's
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,10 @@ class Architecture:
         """Whether ``module`` (the root being loaded or placed) is of this family."""
         return True
 
-    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype) -> CacheBytes:
-        """The caches a generation of ``length`` positions keeps; none are known for a generic module."""
+    def cache_bytes(self, module: nn.Module, batch_size: int, length: int, dtype: torch.dtype,
+                    rope_dtype: torch.dtype | None = None) -> CacheBytes:
+        """The caches a generation of ``length`` positions keeps (RoPE tables in ``rope_dtype``, default ``dtype``);
+        none are known for a generic module."""
         return CacheBytes()
 
     def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
@@ -99,7 +102,13 @@ class Architecture:
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
         """Release buffers that are rebuilt when first used (none for a generic module); returns their names. The load
-        leaves their dtype as it is: the model's own code chose it, not the load's ``dtype``."""
+        casts what stands in for them as it casts every buffer (``module.to(dtype)``)."""
+        return []
+
+    def reset_buffers(self, module: nn.Module, device: torch.device) -> list[str]:
+        """The buffers the module's own ``reset_parameters()`` rebuilds, left as it leaves them, for a face whose path
+        without the library calls it after the precision plugin's conversion (FSDP2's materialization); returns
+        their names. None for a generic module."""
         return []
 
     def fills(self, module: nn.Module) -> set[str]:
@@ -107,9 +116,18 @@ class Architecture:
         checkpoint: for a generic module, the non-persistent buffers its modules can recompute."""
         return recomputable_buffers(module)
 
-    def after_load(self, module: nn.Module, device: torch.device) -> list[str]:
-        """Make real on ``device`` what :meth:`fills` names; returns their names."""
+    def after_load(self, module: nn.Module, device: torch.device, dtypes: Mapping[str, torch.dtype] | None = None) \
+            -> list[str]:
+        """Make real on ``device`` what :meth:`fills` names; returns their names. ``dtypes``: the dtype each floating
+        buffer ends in (by name), for a family whose init computes into the buffer as allocated; a generic module's
+        buffers are computed as built and cast after, as ``module.to(dtype)`` casts them."""
         return recompute_meta_buffers(module, device)
+
+    def load_dtypes(self, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """The floating tensors of ``module`` (by name) that the family's own loader, asked for ``dtype``, leaves in
+        another dtype, and that dtype (transformers' ``from_pretrained`` keeps RoPE inverse frequencies and its
+        keep-in-fp32 modules in float32). None for a generic module: ``module.to(dtype)`` casts every one."""
+        return {}
 
     def save_config(self, module: nn.Module, directory: Path, quantization_config: dict[str, Any] | None) -> list[Path]:
         """Write what the family needs beside the weights to build ``module`` again from ``directory`` (its config,

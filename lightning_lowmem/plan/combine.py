@@ -4,7 +4,8 @@ A combined tensor whose parts are its own blocks of rows (one expert's weight af
 fused MoE experts; q, then k, then v; GPT-NeoX's fused ``query_key_value`` reordered head by head into litgpt's
 q, k, v) is a *stack*: :class:`Stack` says where each part's rows go, so that the loader can read each run of
 rows straight into its place in the result instead of holding the parts and the result together.
-:func:`with_stacks` finds the stacks of a :class:`Combine` by running its own ``fn`` on row numbers.
+:func:`with_stacks` finds the stacks of a :class:`Combine` by running its own ``fn`` on a probe of its parts at their
+real shapes (a distinct number in every position), unless the conversion declares them.
 """ 
 from __future__ import annotations
 
@@ -164,10 +165,12 @@ def with_stacks(combine: Combine, records: Mapping[str, TensorRecord]) -> Combin
     """``combine`` with each tensor its ``fn`` builds by laying its parts one after another as blocks of rows
     marked as a :class:`Stack` (so each part can be read straight into its place).
 
-    Which tensors are stacks is found by running ``fn`` itself on row numbers: each part stands in as a column
-    of its rows' global numbers (its trailing dimensions of size 1); a stack is a result whose rows are those
-    numbers, each part's in order and together. A ``fn`` that computes on the values, or moves them across the
-    trailing dimensions, gives other numbers or another shape and is left to build its tensor itself.
+    A stack the conversion declares (``combine.stacks``) is kept as it is. Any other is found by running ``fn``
+    itself on a probe: each part at its real shape, every position holding a number no other position holds. A
+    stack is a result whose every row is one part's row, whole and unchanged, each row of every part exactly once.
+    A ``fn`` that computes on the values (``abs``), moves them within a row (``flip(-1)``, a column permutation) or
+    repeats a part gives other numbers and is left to build its tensor itself; so is a combined tensor of more than
+    :data:`PROBE_ELEMENTS` elements (the probe would cost 8 bytes an element), unless its conversion declares it.
 
     Example::
 
@@ -176,6 +179,9 @@ def with_stacks(combine: Combine, records: Mapping[str, TensorRecord]) -> Combin
         >>> fused = with_stacks(Combine({"qk": ("q", "k")}, lambda name, got: torch.cat([got["q"], got["k"]])), records)
         >>> fused.stacks["qk"]
         Stack(starts=(0, 4), tail=(8,), runs=())
+        >>> flipped = lambda name, got: torch.cat([got["q"], got["k"]]).flip(-1)  # not a stack: fn builds it
+        >>> with_stacks(Combine({"qk": ("q", "k")}, flipped), records).stacks
+        {}
     """
     stacks = dict(combine.stacks)
     for name, keys in combine.sources.items():
@@ -186,6 +192,12 @@ def with_stacks(combine: Combine, records: Mapping[str, TensorRecord]) -> Combin
     return replace(combine, stacks=stacks)
 
 
+PROBE_ELEMENTS = 2**25
+"""The most elements a combined tensor's parts may hold together for :func:`with_stacks` to probe it (an int32
+probe and its result: 256 MiB at most, for the plan only); a larger one is a stack only when its conversion
+declares it."""
+
+
 def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: str,
               parts: Sequence[TensorRecord]) -> Stack | None:
     """The :class:`Stack` ``fn`` lays ``parts`` out as, or None (see :func:`with_stacks`)."""
@@ -194,25 +206,50 @@ def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: 
     tail = parts[0].shape[1:]
     if any(p.shape[1:] != tail for p in parts):
         return None
-    numbers, firsts, total = {}, [], 0
+    width, rows = math.prod(tail), sum(p.shape[0] for p in parts)
+    total = rows * width
+    if total == 0 or total > PROBE_ELEMENTS:
+        return None
+    # every position a distinct negative number (abs, relu or a sign change shows): -total + row * width + column
+    flat = torch.arange(-total, 0, dtype=torch.int32)
+    probes, firsts, first = {}, [], 0
     for p in parts:
-        numbers[p.key] = torch.arange(total, total + p.shape[0], device="cpu").view(p.shape[0], *([1] * len(tail)))
-        firsts.append(total)
-        total += p.shape[0]
+        probes[p.key] = flat[first * width:(first + p.shape[0]) * width].view(p.shape)
+        firsts.append(first)
+        first += p.shape[0]
     try:
-        out = fn(name, numbers)
-        meta = fn(name, {p.key: torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts})
+        out = fn(name, probes)
     except (RuntimeError, ValueError, IndexError, KeyError, TypeError):
         return None
-    shape, lead = tuple(meta.shape), len(meta.shape) - len(tail)
-    if (lead < 0 or shape[lead:] != tail or out.dtype != torch.int64
-            or tuple(out.shape) != (*shape[:lead], *([1] * len(tail))) or out.numel() != total):
+    source = _source_rows(out, tail, width, total)
+    if source is None:
         return None
-    rows = out.reshape(-1)
-    if not torch.equal(rows.sort().values, torch.arange(total, device="cpu")):
+    return _stack_from(source, parts, firsts, tail)
+
+
+def _source_rows(out: object, tail: tuple[int, ...], width: int, total: int) -> torch.Tensor | None:
+    """For each row of ``out`` (rows of shape ``tail``), the probe row it is, whole and unchanged; None when a row is
+    none, or some probe row is not there exactly once."""
+    lead = len(out.shape) - len(tail) if isinstance(out, torch.Tensor) else -1
+    if (lead < 0 or tuple(out.shape[lead:]) != tail or out.dtype != torch.int32 or out.numel() != total
+            or out.device.type != "cpu"):
         return None
-    where = torch.empty(total, dtype=torch.int64, device="cpu")
-    where[rows] = torch.arange(total, device="cpu")
+    rows = out.reshape(-1, width)
+    source = (rows[:, 0].to(torch.int64) + total) // width
+    expected = (source * width - total).view(-1, 1) + torch.arange(width, dtype=torch.int64)
+    if not torch.equal(rows.to(torch.int64), expected):
+        return None
+    if not torch.equal(source.sort().values, torch.arange(len(source), dtype=torch.int64)):
+        return None
+    return source
+
+
+def _stack_from(source: torch.Tensor, parts: Sequence[TensorRecord], firsts: Sequence[int],
+                tail: tuple[int, ...]) -> Stack | None:
+    """The :class:`Stack` whose result row ``r`` is probe row ``source[r]``; None past :data:`MAX_RUNS` runs."""
+    total = len(source)
+    where = torch.empty(total, dtype=torch.int64)
+    where[source] = torch.arange(total, dtype=torch.int64)
     starts, runs, whole = [], [], True
     for i, (p, first) in enumerate(zip(parts, firsts, strict=True)):
         places = where[first:first + p.shape[0]]

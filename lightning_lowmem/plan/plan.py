@@ -188,8 +188,12 @@ def make_plan(
     combine: Combine | None = None,
     stored: Mapping[str, StoredForm] | None = None,
     files: str = "the checkpoint",
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> LoadPlan:
     """Match ``module`` with the checkpoint ``records`` and decide dtype and device of each tensor.
+
+    A floating tensor gets ``dtype`` (default: its own), or the dtype ``dtypes`` names for it (what the model
+    family's own loader gives it: transformers' keep-in-fp32 modules).
 
     A module tensor that no checkpoint key maps to is built by ``combine`` when it names it.
     A key of ``stored`` stands for a tensor held in several records (its parts): it is matched by its
@@ -229,7 +233,8 @@ def make_plan(
         else:
             form = stored.get(rec.key) if not parts else None
             shard = shard_of(tensor)
-            cast = tensor.dtype if shard is not None else _target_dtype(tensor, rec, dtype)  # filled in place
+            own = next((dtypes[n] for n in names if n in dtypes), dtype) if dtypes else dtype
+            cast = tensor.dtype if shard is not None else _target_dtype(tensor, rec, own)  # filled in place
             plan.targets.append(Target(names, rec, is_param, cast, _target_device(tensor, device),
                                        form.parts if form else parts, stored=form, shard=shard, stack=stack))
     plan.unexpected = [key for key in unexpected if key not in used

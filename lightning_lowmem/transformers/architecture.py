@@ -11,7 +11,10 @@ that initialisation uses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.placement import Architecture, register_architecture
+
+log = logging.getLogger(__name__)
 
 
 def is_pretrained_model(module: nn.Module) -> bool:
@@ -39,21 +44,35 @@ class TransformersArchitecture(Architecture):
     def fills(self, module: nn.Module) -> set[str]:
         return {name for name, buffer in _meta_buffers(module)} | super().fills(module)
 
-    def after_load(self, module: nn.Module, device: torch.device) -> list[str]:
-        """Allocate the buffers still on meta, then let each model initialise what was not loaded."""
+    def after_load(self, module: nn.Module, device: torch.device, dtypes: Mapping[str, torch.dtype] | None = None) \
+            -> list[str]:
+        """Allocate the buffers still on meta, each in the dtype it ends in (``dtypes``; the model's init computes
+        into it, as ``from_pretrained``'s does), then let each model initialise what was not loaded."""
         rebuilt = []
         for prefix, model in _models(module):
-            meta = [(name, owner, leaf) for name, owner, leaf in _meta_in(model)]
+            meta = [(_joined(prefix, name), owner, leaf) for name, owner, leaf in _meta_in(model)]
             if not meta:
                 continue
             for tensor in [*model.parameters(), *model.buffers()]:
                 if not tensor.is_meta:
                     tensor._is_hf_initialized = True  # loaded: initialize_weights leaves it alone
-            for _, owner, leaf in meta:
-                owner._buffers[leaf] = torch.empty_like(owner._buffers[leaf], device=device)
+            for name, owner, leaf in meta:
+                buffer = owner._buffers[leaf]
+                dtype = (dtypes or {}).get(name, buffer.dtype)
+                owner._buffers[leaf] = torch.empty_like(buffer, device=device, dtype=dtype)
             model.initialize_weights()
-            rebuilt += [f"{prefix}.{name}" if prefix else name for name, _, _ in meta]
-        return rebuilt + super().after_load(module, device)
+            rebuilt += [name for name, _, _ in meta]
+        return rebuilt + super().after_load(module, device, dtypes)
+
+    def load_dtypes(self, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """What ``from_pretrained(dtype=dtype)`` keeps in another dtype: the tensors its model class builds in another
+        dtype under that default dtype (RoPE ``inv_freq``: float32) and those its keep-in-fp32 rules name
+        (``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16)."""
+        found: dict[str, torch.dtype] = {}
+        for prefix, model in _models(module):
+            found.update({_joined(prefix, name): kept for name, kept in pretrained_dtypes(model, dtype).items()
+                          if kept != dtype})
+        return found
 
     def save_config(self, module: nn.Module, directory: Path, quantization_config: dict[str, Any] | None) -> list[Path]:
         """``config.json`` as ``save_pretrained`` writes it (dtype, architectures and ``quantization_config``
@@ -74,6 +93,62 @@ class TransformersArchitecture(Architecture):
         from lightning_lowmem.transformers.auto_model import meta_model
 
         return meta_model(directory)
+
+
+def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each floating tensor of ``model`` (a ``PreTrainedModel``) after ``type(model).from_pretrained(...,
+    dtype=dtype)``, as its loader decides it, from a model of the same class and config built on meta:
+
+    * built under ``dtype`` as the default dtype (``from_pretrained`` builds it so): a tensor its ``__init__``
+      makes in another dtype keeps it (loaded into it, or computed into it by its init);
+    * a parameter or persistent buffer the model's dtype plan names (its keep-in-fp32 modules, matched as
+      transformers matches them) is float32.
+
+    A model that cannot be built again from its config alone: every tensor in ``dtype`` (logged).
+    """
+    try:
+        with torch.device("meta"), _default_dtype(dtype):
+            built = type(model)(copy.deepcopy(model.config))
+    except Exception as e:  # noqa: BLE001  (any model's __init__: its own errors)
+        log.warning("%s could not be built again on meta to learn the dtypes from_pretrained gives its tensors "
+                    "(%s: %s); every floating tensor is loaded in %s.", type(model).__name__, type(e).__name__, e,
+                    dtype)
+        return {}
+    planned = _plan_matcher(built._get_dtype_plan(dtype) if callable(getattr(built, "_get_dtype_plan", None)) else {})
+    loaded = set(built.state_dict(keep_vars=True))
+    tensors = [*built.named_parameters(remove_duplicate=False), *built.named_buffers(remove_duplicate=False)]
+    return {name: (planned(name) if name in loaded else None) or tensor.dtype
+            for name, tensor in tensors if tensor.is_floating_point()}
+
+
+def _plan_matcher(plan: Mapping[str, torch.dtype]) -> Callable[[str], torch.dtype | None]:
+    """``name`` -> the dtype a transformers dtype plan gives it (None: none), matched by transformers' own globs."""
+    if not plan:
+        return lambda name: None
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, group_glob, _ = build_glob_alternation(list(plan))
+
+    def planned(name: str) -> torch.dtype | None:
+        found = alternation.search(name)
+        return plan[group_glob[found.lastgroup]] if found else None
+
+    return planned
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """``torch.get_default_dtype()`` is ``dtype`` in the block (as ``from_pretrained`` builds its model)."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -34,7 +34,7 @@ from torch import nn
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.plan import Combine, KeyMap, apply_key_map, guess_prefix
-from lightning_lowmem.plan.combine import combined_record, with_stacks
+from lightning_lowmem.plan.combine import Stack, combined_record, with_stacks
 from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, under
 from lightning_lowmem.transformers.conversions import pretrained_in
 
@@ -77,10 +77,13 @@ def mapping_conversion(model: nn.Module, mapping: list[Any], records: Mapping[st
     names, groups = _renamed(model, mapping, records, module_tensors)
     family = getattr(model.config, "model_type", type(model).__name__)
     _refuse_many_targets(family, groups)
+    _refuse_held_twice(names, groups, records)
     fns = {target: _operations_fn(model, converter, by_pattern) for target, (converter, by_pattern) in groups.items()}
     sources = {target: tuple(key for keys in by_pattern.values() for key in keys)
                for target, (_, by_pattern) in groups.items()}
-    combine = with_stacks(Combine(sources, lambda name, tensors: fns[name](name, tensors)), records) \
+    declared = {target: stack for target, (converter, by_pattern) in groups.items()
+                if (stack := _declared_stack(converter, by_pattern, sources[target], records)) is not None}
+    combine = with_stacks(Combine(sources, lambda name, tensors: fns[name](name, tensors), declared), records) \
         if sources else None
     renamed = {key: (None if name in groups else name) for key, name in names.items()}
 
@@ -134,6 +137,27 @@ def _refuse_many_targets(family: str, groups: Mapping[str, tuple[Any, dict]]) ->
         "from_pretrained, or pass key_map= and combine= that build each tensor; nothing was read.")
 
 
+def _refuse_held_twice(names: Mapping[str, str], groups: Mapping[str, tuple[Any, dict]],
+                       records: Mapping[str, TensorRecord]) -> None:
+    """Raise for a module tensor the checkpoint holds both as it is (fused experts) and as the parts a converter builds
+    it from (one tensor per expert): which copy loads must never depend on which reading wins."""
+    parts = {key for _, by_pattern in groups.values() for keys in by_pattern.values() for key in keys}
+    twice = {key: names[key] for key in records if key not in parts and names.get(key) in groups}
+    if not twice:
+        return
+    pairs = [f"{key!r} and {format_names(_keys_of(groups[name][1]), 2)} (both give {name!r})"
+             for key, name in twice.items()]
+    raise CheckpointMismatchError(
+        f"The checkpoint holds {len(twice)} module tensors twice, whole and as the parts transformers builds them "
+        f"from: {format_names(pairs, quote=False, sep='; ')}. Which copy to load would be a guess (the two may differ); "
+        "nothing was read. Remove one of the copies from the checkpoint (e.g. save the model again with "
+        "save_checkpoint or save_pretrained), or pass key_map= (a callable returning None for the keys to drop).")
+
+
+def _keys_of(by_pattern: Mapping[str, list[str]]) -> list[str]:
+    return [key for keys in by_pattern.values() for key in keys]
+
+
 def _operations_fn(model: nn.Module, converter: Any,
                    by_pattern: Mapping[str, list[str]]) -> Callable[[str, dict[str, torch.Tensor]], torch.Tensor]:
     """``Combine.fn`` for one module tensor: the converter's own operations on its parts, as transformers runs them."""
@@ -151,6 +175,31 @@ def _operations_fn(model: nn.Module, converter: Any,
         return out[0] if isinstance(out, list) else out
 
     return build
+
+
+def _declared_stack(converter: Any, by_pattern: Mapping[str, list[str]], keys: tuple[str, ...],
+                    records: Mapping[str, TensorRecord]) -> Stack | None:
+    """Where each part lies in what the converter's operations build, when they only lay whole parts out as rows:
+    ``MergeModulelist(dim=0)`` (the experts one after another), then, with several patterns, ``Concatenate`` along
+    dimension 0 (pattern after pattern) or 1 (each expert's parts after one another: gate, then up); else None."""
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    patterns = list(converter.source_patterns)
+    if ops[:1] != [("MergeModulelist", 0)] or any(key not in records for key in keys):
+        return None
+    joined = ops[1:]
+    if (joined and joined not in ([("Concatenate", 0)], [("Concatenate", 1)])) or (not joined and len(patterns) != 1):
+        return None
+    shapes = {records[key].shape for key in keys}
+    counts = {len(by_pattern.get(pattern, ())) for pattern in patterns}
+    if len(shapes) != 1 or len(counts) != 1 or not next(iter(shapes)):
+        return None
+    (rows, *tail), (experts,) = next(iter(shapes)), counts
+    start = {}
+    for p, pattern in enumerate(patterns):
+        for e, key in enumerate(by_pattern[pattern]):
+            by_expert = joined == [("Concatenate", 1)]
+            start[key] = (e * len(patterns) + p) * rows if by_expert else (p * experts + e) * rows
+    return Stack(tuple(start[key] for key in keys), tuple(tail))
 
 
 def _fitting(module_tensors: Mapping[str, torch.Tensor], records: Mapping[str, TensorRecord],

@@ -1,9 +1,11 @@
-"""A directory of several weight sets: every face reads the same one, or raises the same error.
+"""A directory of several weight sets: every face reads the same one, or raises the same error, and none says
+two sets are the same without comparing every byte.
 
 Every pair of the weight formats users have side by side (litgpt's ``lit_model.pth``, HF's ``model.safetensors``,
 ``pytorch_model.bin`` and a sharded set, a Lightning ``.ckpt``), holding the same tensors or different ones:
-``load_checkpoint``, ``estimate_memory``, ``lightning-lowmem inspect`` and ``generate`` choose the same file, or
-all raise ``AmbiguousCheckpointError``; ``prefer=`` / ``--weights`` picks one.
+``load_checkpoint``, ``estimate_memory``, ``lightning-lowmem inspect`` and ``generate`` choose the same file (with an
+``UnverifiedWeightsWarning`` unless ``verify_weight_sets`` compared every byte), or all raise
+``AmbiguousCheckpointError``; ``prefer=`` / ``--weights`` picks one.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_lowmem import AmbiguousCheckpointError, LoadOptions, estimate_memory, generate, load_checkpoint
+from lightning_lowmem import (
+    AmbiguousCheckpointError,
+    LoadOptions,
+    UnverifiedWeightsWarning,
+    estimate_memory,
+    generate,
+    load_checkpoint,
+)
 
 FORMATS = {  # name: (the file a load opens, names: litgpt's or HF's, rank in the documented order)
     "sharded-hf": ("model.safetensors.index.json", "hf", 0),
@@ -78,29 +88,82 @@ def _expected(first: str, second: str) -> str:
     return FORMATS[(native or ranked)[0]][0]
 
 
-def _every_face(directory: Path, states: dict, capsys, **prefer) -> dict[str, str | type]:
-    """Which file each face reads (its report's first words), or the type of the error it raises."""
+def _every_face(directory: Path, states: dict, capsys, config=None, callback: bool = False,
+                **options) -> dict[str, str | type]:
+    """Which file each face reads (its report's first words, ``+warned`` after it when it warned that it did not
+    compare every byte), or the type of the error it raises; the Trainer's callback too with ``callback``."""
     from lightning_lowmem.cli.commands import main
     from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
 
-    options = LoadOptions(progress=False, **prefer)
+    config = config or states["config"]
+    load_options = LoadOptions(progress=False, **options)
     faces = {
-        "load_checkpoint": lambda: load_checkpoint(build_meta_gpt(states["config"]), directory, options=options).source,
-        "estimate_memory": lambda: estimate_memory(directory, max_seq_length=8, options=options).source,
-        "generate": lambda: generate(directory, [1, 2, 3], max_new_tokens=1, options=options).load_report.source,
+        "load_checkpoint": lambda: load_checkpoint(build_meta_gpt(config), directory, options=load_options).source,
+        "estimate_memory": lambda: estimate_memory(directory, max_seq_length=8, options=load_options).source,
+        "generate": lambda: generate(directory, [1, 2, 3], max_new_tokens=1, options=load_options).load_report.source,
+        "fabric": lambda: _fabric_source(directory, config, load_options),
+        "inspect": lambda: _inspect_source(main, directory, capsys, options),
     }
+    if callback:
+        faces["callback"] = lambda: _callback_source(directory, config, load_options)
     chosen: dict[str, str | type] = {}
     for face, call in faces.items():
-        try:
-            chosen[face] = Path(call().split(":")[0]).name
-        except AmbiguousCheckpointError as e:
-            chosen[face] = type(e)
-    weights = ["--weights", prefer["prefer"]] if prefer else []
-    code = main(["inspect", str(directory), "--json", *weights])
-    out = capsys.readouterr()
-    chosen["inspect"] = Path(json.loads(out.out)["chosen"].split(":")[0]).name if code == 0 else \
-        AmbiguousCheckpointError if "AmbiguousCheckpointError" in out.err else out.err
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                why = call()
+            except AmbiguousCheckpointError as e:
+                chosen[face] = type(e)
+                continue
+        warned = any(issubclass(w.category, UnverifiedWeightsWarning) for w in caught)
+        assert ("the same" in why) == (not warned and "compared" in why), why  # "the same" only when verified
+        chosen[face] = Path(why.split(":")[0]).name + ("+warned" if warned else "")
     return chosen
+
+
+def _fabric_source(directory: Path, config, options: LoadOptions) -> str:
+    import lightning as L
+
+    from lightning_lowmem import LowMemStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LowMemStrategy(options=options), precision="32-true")
+    with fabric.init_module():
+        from litgpt import GPT
+
+        model = GPT(config)
+    fabric.load_raw(directory, model)
+    return fabric.strategy.reports[-1].source
+
+
+def _callback_source(directory: Path, config, options: LoadOptions) -> str:
+    import lightning as L
+    from litgpt import GPT
+
+    from lightning_lowmem import LowMemCallback
+
+    class Lit(L.LightningModule):
+        def configure_model(self) -> None:
+            self.model = GPT(config)
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(batch)
+
+    callback = LowMemCallback(directory, options=options)
+    L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback], enable_progress_bar=False,
+              enable_model_summary=False).predict(Lit(), torch.utils.data.DataLoader(torch.zeros(1, 4, dtype=torch.long)))
+    return callback.report.source
+
+
+def _inspect_source(main, directory: Path, capsys, options: dict) -> str:
+    flags = ["--weights", options["prefer"]] if options.get("prefer") else []
+    flags += ["--verify_weight_sets"] if options.get("verify_weight_sets") else []
+    code = main(["inspect", str(directory), "--json", *flags])
+    out = capsys.readouterr()
+    if code != 0:
+        if "AmbiguousCheckpointError" in out.err:
+            raise AmbiguousCheckpointError(out.err)
+        raise AssertionError(out.err)
+    return json.loads(out.out)["chosen"]
 
 
 @pytest.mark.parametrize(("first", "second"), PAIRS, ids=[f"{a}+{b}" for a, b in PAIRS])
@@ -108,9 +171,12 @@ def _every_face(directory: Path, states: dict, capsys, **prefer) -> dict[str, st
 def test_every_face_reads_the_same_weights_or_raises_the_same_error(tmp_path, states, capsys, first, second, same):
     directory = _directory(tmp_path, states, first, second, same)
     chosen = _every_face(directory, states, capsys)
-    expected = _expected(first, second) if same else AmbiguousCheckpointError
+    expected = _expected(first, second) + "+warned" if same else AmbiguousCheckpointError  # never "the same" unchecked
     assert chosen == dict.fromkeys(chosen, expected), chosen
-    if not same:  # prefer= (--weights) picks either one, in every face
+    if same:  # every byte compared when asked: the same tensors, no warning
+        verified = _every_face(directory, states, capsys, verify_weight_sets=True)
+        assert verified == dict.fromkeys(chosen, _expected(first, second)), verified
+    else:  # prefer= (--weights) picks either one, in every face
         for fmt in (first, second):
             name = FORMATS[fmt][0]
             assert _every_face(directory, states, capsys, prefer=name) == dict.fromkeys(chosen, name)
@@ -142,3 +208,158 @@ def test_a_stale_lit_model_beside_a_quantized_copy_is_not_read_silently(tmp_path
         generate(source / "nf4", [1, 2, 3], max_new_tokens=1)
     report = load_checkpoint(meta_gpt(states["config"]), source / "nf4", prefer="safetensors", progress=False)
     assert report.prequantized
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory, write_hf_dir):
+    """An HF Llama with MLP weights larger than the sample (128 KiB: compared by their first row), and its config."""
+    root = tmp_path_factory.mktemp("wide")
+    _, config = write_hf_dir(root, "llama", hidden=128, tokenizer=False)
+    from safetensors.torch import load_file
+
+    return load_file(root / "model.safetensors"), config, root
+
+
+def _rows_past_the_first(tmp_path: Path, wide) -> Path:
+    """model.safetensors, and a pytorch_model.bin differing in every row of one weight but the first."""
+    hf, _, root = wide
+    other = dict(hf)
+    weight = other["model.layers.0.mlp.gate_proj.weight"].clone()
+    weight[1:] += 1
+    other["model.layers.0.mlp.gate_proj.weight"] = weight
+    return _hf_pair(tmp_path, root, hf, other)
+
+
+def _last_element(tmp_path: Path, wide) -> Path:
+    """model.safetensors, and a pytorch_model.bin differing in the last element of one weight."""
+    hf, _, root = wide
+    other = dict(hf)
+    weight = other["model.layers.1.mlp.down_proj.weight"].clone()
+    weight.view(-1)[-1] += 1
+    other["model.layers.1.mlp.down_proj.weight"] = weight
+    return _hf_pair(tmp_path, root, hf, other)
+
+
+def _hf_pair(tmp_path: Path, root: Path, first: dict, second: dict) -> Path:
+    directory = tmp_path / "pair"
+    directory.mkdir(parents=True)
+    for name in ("model_config.yaml", "config.json"):
+        shutil.copy(root / name, directory)
+    save_file(first, directory / "model.safetensors")
+    torch.save(second, directory / "pytorch_model.bin")
+    return directory
+
+
+def test_sets_that_differ_past_the_sample_are_read_with_a_warning_or_refused_when_verified(tmp_path, wide, capsys):
+    """Every row of a weight but the first, or the last element of a pytorch_model.bin: the headers and the sampled
+    first rows agree. No face says "the same": each reads model.safetensors (the documented order) and warns that it
+    did not compare the rest; asked to compare every byte, each refuses, naming the tensor."""
+    for case in (_rows_past_the_first, _last_element):
+        directory = case(tmp_path / case.__name__, wide)
+        states = {"config": wide[1]}
+        assert _every_face(directory, states, capsys, callback=True) == dict.fromkeys(
+            ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"],
+            "model.safetensors+warned")
+        verified = _every_face(directory, states, capsys, callback=True, verify_weight_sets=True)
+        assert set(verified.values()) == {AmbiguousCheckpointError}, verified
+    with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.1\.mlp\.proj\.weight' differ"):
+        load_checkpoint(_meta(wide[1]), directory, verify_weight_sets=True, progress=False)
+
+
+def test_sets_holding_the_same_tensors_load_and_are_called_the_same_only_when_every_byte_was_compared(tmp_path,
+                                                                                                     wide, caplog):
+    hf, config, root = wide
+    directory = _hf_pair(tmp_path, root, hf, hf)
+    with pytest.warns(UnverifiedWeightsWarning, match=r"prefer='model\.safetensors' \(command line: --weights "
+                                                      r"model\.safetensors\).*verify_weight_sets=True"):
+        report = load_checkpoint(_meta(config), directory, progress=False)
+    assert "the same" not in report.source and "not compared byte for byte" in report.source
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnverifiedWeightsWarning)
+        with caplog.at_level("INFO", logger="lightning_lowmem"):
+            report = load_checkpoint(_meta(config), directory, verify_weight_sets=True, progress=False)
+        report_pinned = load_checkpoint(_meta(config), directory, prefer="model.safetensors", progress=False)
+    nbytes = sum(t.nbytes for t in hf.values())
+    assert "pytorch_model.bin in" in report.source and "holds the same tensors (every byte compared" in report.source
+    assert any("the same" in r.message and "compared" in r.message for r in caplog.records)
+    assert report.source.startswith(str(directory / "model.safetensors")) and nbytes > 2**20
+    assert report_pinned.source.endswith("(prefer='model.safetensors')")
+
+
+def _meta(config):
+    from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
+
+    return build_meta_gpt(config)
+
+
+def test_litgpt_files_differing_only_in_the_fused_qkv_are_never_called_the_same(tmp_path, states, capsys):
+    """lit_model.pth beside an HF model.safetensors whose q projection differs: litgpt's qkv is built from q, k, v, so
+    no sample covers it. Every face reads lit_model.pth with a warning; asked to compare every byte, every face
+    refuses, naming the fused tensor."""
+    other = dict(states["hf"])
+    other["model.layers.0.self_attn.q_proj.weight"] = other["model.layers.0.self_attn.q_proj.weight"] + 1
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for name in ("model_config.yaml", "config.json"):
+        shutil.copy(states["config_dir"] / name, directory)
+    _write("lit", directory, states["lit"])
+    _write("safetensors-hf", directory, other)
+    assert _every_face(directory, states, capsys, callback=True) == dict.fromkeys(
+        ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"], "lit_model.pth+warned")
+    verified = _every_face(directory, states, capsys, callback=True, verify_weight_sets=True)
+    assert set(verified.values()) == {AmbiguousCheckpointError}, verified
+    with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.0\.attn\.qkv\.weight' differ"):
+        load_checkpoint(_meta(states["config"]), directory, verify_weight_sets=True, progress=False)
+
+
+def test_two_nf4_saves_differing_only_in_their_linear_weights_are_never_called_the_same(tmp_path, states, meta_gpt):
+    """Two fine-tunes of one base saved in nf4: their norms and embeddings agree, every Linear weight is stored
+    quantized (no sample is taken of it). Read with a warning, or refused when every byte is compared."""
+    from lightning_lowmem import save_checkpoint
+
+    base = tmp_path / "base"
+    base.mkdir()
+    _write("lit", base, states["lit"])
+    tuned = {k: v + 0.5 if k.endswith(("qkv.weight", "fc_1.weight")) else v for k, v in states["lit"].items()}
+    (tmp_path / "tuned").mkdir()
+    _write("lit", tmp_path / "tuned", tuned)
+    for source, out in ((base, tmp_path / "one"), (tmp_path / "tuned", tmp_path / "two")):
+        model = meta_gpt(states["config"])
+        load_checkpoint(model, source / "lit_model.pth", quantize="bnb.nf4", progress=False)
+        save_checkpoint(model, out)
+    shutil.copy(tmp_path / "two" / "model.safetensors", tmp_path / "one" / "finetune.safetensors")
+    with pytest.warns(UnverifiedWeightsWarning, match="finetune.safetensors may hold other values"):
+        report = load_checkpoint(meta_gpt(states["config"]), tmp_path / "one", progress=False)
+    assert report.prequantized and "the same" not in report.source
+    with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.0\.attn\.qkv\.weight' "
+                                                       r"\(\w+\) differ"):
+        load_checkpoint(meta_gpt(states["config"]), tmp_path / "one", verify_weight_sets=True, progress=False)
+
+
+def test_a_stale_index_is_no_error_when_prefer_names_a_good_set(tmp_path, states, meta_gpt):
+    """An index left from an older save names shards that are gone: prefer= naming the set that is there reads it;
+    without prefer=, the error says the shards are missing and how to read the other set."""
+    from lightning_lowmem import CheckpointNotFoundError
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    _write("lit", directory, states["lit"])
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    report = load_checkpoint(meta_gpt(states["config"]), directory, prefer="lit_model.pth", progress=False)
+    assert report.source.endswith("(prefer='lit_model.pth')")
+    with pytest.raises(CheckpointNotFoundError, match=r"missing.*Or read another weight set.*prefer='lit_model\.pth'"):
+        load_checkpoint(meta_gpt(states["config"]), directory, progress=False)
+
+
+def test_a_stray_tensor_file_beside_the_weights_is_left_out_with_a_warning(tmp_path, states, meta_gpt):
+    """A ``.pt`` holding one tensor (no state dict) beside model.safetensors: not a weight set. The weights that are
+    there load, and the warning names the file (no advice to save a state_dict() instead)."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    _write("lit", directory, states["lit"])
+    torch.save(torch.randn(3), directory / "stray.pt")
+    with pytest.warns(UserWarning, match=r"stray\.pt holds a TensorRef.*not one of the weight sets.*left out"):
+        report = load_checkpoint(meta_gpt(states["config"]), directory, progress=False)
+    assert report.source == f"{directory / 'lit_model.pth'}: the only weights in {directory} (the other files there " \
+                            "hold no state dict)"

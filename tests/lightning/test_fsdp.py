@@ -44,6 +44,7 @@ with init_empty():
 torch.set_default_dtype(torch.float32)
 single.lm_head.weight = single.transformer.wte.weight
 load_checkpoint(single, args["path"], dtype=torch.bfloat16, progress=False)
+single.reset_parameters()  # litgpt's: RoPE tables in float32, as FSDP2's materialization leaves them
 with torch.no_grad(), fabric.autocast():
     emit(logits_equal=torch.equal(model(tokens).to(torch.bfloat16), single(tokens)))
 losses = []

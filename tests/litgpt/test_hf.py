@@ -182,3 +182,23 @@ def test_gpt_neox_fused_qkv_is_read_head_by_head_into_place(tmp_path, tiny_confi
         runs = [(start, stop) for k, start, stop in read_recorder.calls if k == key]
         assert len(runs) == 3 * config.n_head and all(stop - start == row for start, stop in runs), runs
         assert sorted(runs) == [(i, i + row) for i in range(0, 3 * config.n_embd, row)]  # each row once
+
+
+def test_q_k_v_concatenated_by_litgpt_are_declared_stacks_equal_to_a_probe(tmp_path, write_hf_dir, monkeypatch):
+    """litgpt's conversion seen (traced on meta) concatenating the checkpoint's own q, k, v along rows declares the
+    stack, with no probe to pay for it; the declaration equals what a probe at the real shapes finds."""
+    import dataclasses
+
+    from lightning_lowmem import Checkpoint
+    from lightning_lowmem.litgpt.hf import hf_to_litgpt
+    from lightning_lowmem.plan import combine
+    from lightning_lowmem.plan.combine import with_stacks
+
+    _, config = write_hf_dir(tmp_path, "llama-gqa", tie=False, max_shard_size=None, tokenizer=False)
+    with Checkpoint.open(tmp_path) as ckpt:
+        monkeypatch.setattr(combine, "PROBE_ELEMENTS", 0)  # nothing probed: what is a stack is declared
+        declared = hf_to_litgpt(config, ckpt.records).combine
+        monkeypatch.undo()
+        probed = with_stacks(dataclasses.replace(declared, stacks={}), ckpt.records)
+    qkv = {f"transformer.h.{i}.attn.qkv.weight" for i in range(config.n_layer)}
+    assert set(declared.stacks) == qkv and declared.stacks == probed.stacks

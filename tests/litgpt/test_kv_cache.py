@@ -18,7 +18,7 @@ from lightning_lowmem import cache_bytes, estimate_memory, init_empty, placement
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bytes_equal_the_estimate_and_the_tensors_in_the_model_dtype(tiny_config, tiny_gpt, kind, dtype, batch):
     config = tiny_config(kind)
-    model = tiny_gpt(config, dtype, std=0.3)
+    model = tiny_gpt(config, dtype, std=0.3).to(dtype)  # RoPE tables in dtype, as a load in dtype leaves them
     length = 10 + 17  # prompt + max_new_tokens; past the 8-token window of the sliding config
     allocated = setup_kv_cache(model, batch, length)
 
@@ -69,7 +69,7 @@ def test_pythia_1b_sizes_without_its_weights(length, kv_mib):
 
 def test_longer_request_reallocates_shorter_one_reuses(tiny_config, tiny_gpt):
     config = tiny_config("gqa")
-    model = tiny_gpt(config, torch.bfloat16, std=0.3)
+    model = tiny_gpt(config, torch.bfloat16, std=0.3).to(torch.bfloat16)  # RoPE tables in bf16
     first = setup_kv_cache(model, 1, 20)
     cache = model.transformer.h[0].attn.kv_cache
     pointer = cache.k.data_ptr()
@@ -81,7 +81,7 @@ def test_longer_request_reallocates_shorter_one_reuses(tiny_config, tiny_gpt):
     assert cache_bytes(model).total == first
 
     grown = setup_kv_cache(model, 1, 40)  # longer: new tensors of the new size only
-    assert grown == setup_kv_cache(tiny_gpt(config, torch.bfloat16), 1, 40)  # what a fresh model allocates
+    assert grown == setup_kv_cache(tiny_gpt(config, torch.bfloat16).to(torch.bfloat16), 1, 40)  # a fresh model's
     assert grown == estimate_memory(config, max_seq_length=40).caches
     assert cache_bytes(model).total == grown
     assert setup_kv_cache(model, 2, 40) == estimate_memory(config, batch_size=2, max_seq_length=40).caches
@@ -142,3 +142,23 @@ def test_any_model_with_the_protocol():
     assert model.max_seq_length == 50 and model.cache.dtype == torch.float16
     with pytest.raises(TypeError, match="protocol"):
         setup_kv_cache(torch.nn.Linear(2, 2), 1, 4)
+
+
+def test_the_rope_tables_keep_their_dtype_and_take_the_length_asked(tiny_config, tiny_gpt):
+    """Only their length changes: tables litgpt computed again (``reset_parameters()``, its ``max_seq_length`` setter:
+    float32) stay float32 in a bf16 model; tables converted with the model (``model.to(bf16)``, Lightning's one-device
+    ``bf16-true``, a load in bf16) stay bf16, as litgpt's generate has them. The values are litgpt's own."""
+    config = tiny_config("gqa")
+    recomputed = tiny_gpt(config, torch.bfloat16)  # reset_parameters() after the conversion: float32 tables
+    converted = tiny_gpt(config, torch.bfloat16).to(torch.bfloat16)
+    for model, dtype in ((recomputed, torch.float32), (converted, torch.bfloat16)):
+        setup_kv_cache(model, 1, 20)
+        cos, sin = model.rope_cache()  # litgpt's own tables at this length, float32
+        assert model.cos.dtype == dtype and torch.equal(model.cos, cos.to(dtype))
+        assert torch.equal(model.sin, sin.to(dtype))
+        assert model.transformer.h[0].attn.kv_cache.k.dtype == torch.bfloat16
+    setup_kv_cache(converted, 1, 30, rope_dtype=torch.float32)  # better than the eager path, when asked
+    assert converted.cos.dtype == torch.float32 and torch.equal(converted.cos, converted.rope_cache()[0])
+    converted.clear_kv_cache()
+    converted(torch.randint(0, 100, (1, 40)))  # grown by the guard for a longer forward: still float32
+    assert converted.cos.dtype == torch.float32 and converted.cos.shape[0] == 40

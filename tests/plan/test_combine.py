@@ -77,16 +77,51 @@ def test_a_combine_that_lays_its_parts_out_whole_is_read_straight_into_its_rows(
 
 @pytest.mark.parametrize("fn", [
     lambda got: torch.cat([got["q"], got["k"]]) * 2,  # computes on the values
-    lambda got: torch.stack([got["q"], got["k"]], dim=1).reshape(-1, 8),  # interleaves the rows
+    lambda got: torch.cat([got["q"], got["k"]]).abs(),  # the identity on row numbers
+    lambda got: torch.cat([got["q"], got["k"]]).flip(-1),  # the identity with rows of one column
+    lambda got: torch.cat([got["q"], got["k"]])[:, [1, 0, *range(2, 8)]],  # a column permutation
     lambda got: torch.cat([got["q"], got["k"]], dim=1),  # joins along the rows' own dimension
     lambda got: torch.cat([got["q"], got["q"]]),  # reads a part twice
-], ids=["values", "interleaved", "columns", "repeated"])
-def test_anything_but_parts_laid_out_whole_is_built_by_its_fn(fn):
+], ids=["values", "abs", "flip", "column permutation", "columns", "repeated"])
+def test_anything_but_whole_rows_of_the_parts_is_built_by_its_fn(fn):
     from pathlib import Path
 
     records = {k: TensorRecord(k, (4, 8), torch.float32, Path("m.safetensors")) for k in ("q", "k")}
     combine = with_stacks(Combine({"qk": ("q", "k")}, lambda name, got: fn(got)), records)
     assert combine.stacks == {}
+
+
+@pytest.mark.parametrize("conversion", [
+    lambda q, k: torch.cat([q, k]).flip(-1),
+    lambda q, k: torch.cat([q, k]).abs(),
+    lambda q, k: torch.cat([q, k])[:, [1, 0, *range(2, 16)]],
+], ids=["flip", "abs", "column permutation"])
+def test_a_conversion_that_is_the_identity_on_rows_of_one_column_loads_exactly(tmp_path, split_qkv, conversion):
+    """Such a conversion passed the old probe (row numbers with trailing dimensions of size 1), and the stacked
+    route then never ran it: the module got the parts unconverted. Probed at the real shapes, it is built by fn."""
+    parts, path, module, _ = split_qkv(tmp_path)
+    combine = Combine({f"{layer}.qkv.weight": tuple(f"{layer}.{p}.weight" for p in "qk") for layer in "ab"},
+                      lambda name, got: conversion(*got.values()))
+    with Checkpoint.open(path) as ckpt:
+        combine = with_stacks(combine, ckpt.records)  # as the conversions find their stacks
+    assert combine.stacks == {}
+    with init_empty():
+        for layer in "ab":
+            module[layer]["qkv"] = nn.Linear(16, 24, bias=False)
+    load_checkpoint(module, path, combine=combine, strict=False)
+    for layer in "ab":
+        expected = conversion(parts[f"{layer}.q.weight"], parts[f"{layer}.k.weight"])
+        assert torch.equal(module[layer].qkv.weight, expected)
+
+
+def test_rows_interleaved_from_two_parts_are_a_stack_of_runs(tmp_path, split_qkv):
+    """Whole rows of the parts, in another order, found at the real shapes: read a run at a time, exactly."""
+    from pathlib import Path
+
+    interleave = lambda name, got: torch.stack(list(got.values()), dim=1).reshape(-1, 8)  # noqa: E731  q0 k0 q1 k1
+    records = {k: TensorRecord(k, (4, 8), torch.float32, Path("m.safetensors")) for k in ("q", "k")}
+    stack = with_stacks(Combine({"qk": ("q", "k")}, interleave), records).stacks["qk"]
+    assert stack.runs == tuple((i, row, 1, 2 * row + i) for i in (0, 1) for row in range(4))
 
 
 def test_a_stack_must_tile_the_result():

@@ -48,7 +48,7 @@ def test_stored_size_equals_what_torchao_stores():
 def test_one_device_load_equals_to_nf4_after_a_full_load(tmp_path, quant_config, tiny_gpt, meta_gpt, write_checkpoint,
                                                            forward_logits):
     config = quant_config  # 128 dims: qkv 384 x 128 = 3 blocks of 16384, proj 128 x 128 = 1: both quantize
-    reference = tiny_gpt(config, torch.bfloat16, std=0.3)
+    reference = tiny_gpt(config, torch.bfloat16, std=0.3).to(torch.bfloat16)  # RoPE too, as a load in bf16 has it
     path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
     model = meta_gpt(config)
     report = load_checkpoint(model, path, dtype=torch.bfloat16, quantize="torchao.nf4", progress=False)

@@ -100,8 +100,7 @@ def streamed(tmp_path, tiny_config, tiny_gpt, meta_gpt, write_checkpoint):
         model = meta_gpt(config)
         budget = int(state_bytes(reference.state_dict()) * fraction)
         report = load_checkpoint(model, path, dtype=torch.bfloat16, max_memory={"cpu": budget}, disk_offload=True)
-        reference = reference.to(torch.bfloat16)
-        reference.reset_parameters()  # RoPE tables in litgpt's own float32, as the load keeps them
+        reference = reference.to(torch.bfloat16)  # RoPE tables too, as model.to(dtype) and a load in bf16 leave them
         return model.eval(), report, reference, path
 
     return make

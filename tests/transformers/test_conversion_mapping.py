@@ -4,6 +4,7 @@ fused experts transformers 5 builds, with one call and no key map."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -82,6 +83,53 @@ def test_each_expert_is_read_whole_straight_into_its_rows(moe_dir, read_recorder
     assert read_recorder.rows == []  # each part whole, with its one read
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_stacks_the_mapping_declares_are_those_its_operations_build(moe_dir, family, monkeypatch):
+    """The fused experts' layout is declared from transformers' operations (MergeModulelist, Concatenate), not probed
+    (a probe of a real model's experts would hold them whole): here the declaration is checked against a probe at
+    the real shapes, which runs transformers' own operations on a distinct number in every position."""
+    from lightning_lowmem.plan import combine as combine_module
+    from lightning_lowmem.plan.combine import with_stacks
+    from lightning_lowmem.plan.conversions import find_conversion
+
+    directory = moe_dir(family)
+    model = _built(directory)
+    with Checkpoint.open(directory) as ckpt:
+        monkeypatch.setattr(combine_module, "PROBE_ELEMENTS", 0)  # nothing probed: what is a stack is declared
+        combine = find_conversion(model, ckpt.records, ckpt).combine
+        monkeypatch.undo()
+        probed = with_stacks(dataclasses.replace(combine, stacks={}), ckpt.records)
+    assert set(combine.stacks) == set(combine.sources) == set(EXPERTS)
+    assert combine.stacks == probed.stacks
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("extra", ["fused beside per-expert", "per-expert beside fused"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_layer_held_both_fused_and_per_expert_is_refused_naming_both_keys(tmp_path, moe_dir, read_recorder, family,
+                                                                           extra, strict):
+    """Layer 0's experts twice: as transformers' fused ``gate_up_proj`` and as one tensor per expert. Which copy wins
+    would be a guess (they may differ): refused before any read, naming the fused key and the per-expert keys."""
+    from safetensors.torch import load_file, save_file
+
+    directory = moe_dir(family)
+    per_expert = load_file(directory / "model.safetensors")
+    model = _built(directory)
+    load_checkpoint(model, directory, progress=False)
+    fused = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if extra == "fused beside per-expert":
+        key = "model.layers.0.mlp.experts.gate_up_proj"
+        state = {**per_expert, key: fused[key]}
+    else:
+        state = {**fused, **{k: v for k, v in per_expert.items() if ".layers.0." in k and ".experts." in k}}
+    save_file(state, tmp_path / "model.safetensors")
+    read_recorder.calls.clear()
+    twice = r"holds \d module tensors twice.*'model\.layers\.0\.mlp\.experts\.gate_up_proj' and 'model\.layers\.0\."
+    with pytest.raises(CheckpointMismatchError, match=twice + r"[a-z_]+\.experts\.0\."):
+        load_checkpoint(_built(directory), tmp_path / "model.safetensors", strict=strict, progress=False)
+    assert read_recorder.calls == []
+
+
 def test_a_checkpoint_holding_fused_experts_is_read_as_it_is(tmp_path, moe_dir, forward_logits):
     from safetensors.torch import save_file
 
@@ -107,8 +155,8 @@ def test_nf4_quantize_on_load_quantizes_the_experts(moe_dir, hf_from_pretrained,
     report = load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4", progress=False)
 
     assert all(report.quantized[name] == "bnb.nf4" for name in EXPERTS)
-    reference = quantize_after_load(hf_from_pretrained(directory).to(torch.bfloat16), "bnb.nf4").eval()
-    full_precision = forward_logits(hf_from_pretrained(directory).to(torch.bfloat16))
+    reference = quantize_after_load(hf_from_pretrained(directory, torch.bfloat16), "bnb.nf4").eval()
+    full_precision = forward_logits(hf_from_pretrained(directory, torch.bfloat16))
     for name in EXPERTS:
         module_name, leaf = name.rsplit(".", 1)
         replace_parameter_4bit(reference.get_submodule(module_name), leaf, quant_type="nf4", blocksize=64)
