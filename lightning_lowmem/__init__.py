@@ -34,7 +34,6 @@ from lightning_lowmem.engine import (
     MemoryEstimate,
     load_checkpoint,
     placement_plan,
-    save_checkpoint,
 )
 from lightning_lowmem.errors import (
     AmbiguousCheckpointError,
@@ -60,6 +59,7 @@ from lightning_lowmem.errors import (
     UnverifiedWeightsWarning,
 )
 from lightning_lowmem.formats import Checkpoint
+from lightning_lowmem.saving import save_checkpoint
 from lightning_lowmem.lightning.registration import register_when_lightning_loads
 from lightning_lowmem.litgpt import (
     GenerateResult,

@@ -358,7 +358,7 @@ def fill_disk():
 @pytest.fixture
 def killed_at():
     """``killed_at(n, save) -> bool``: ``save()`` run in a forked child that SIGKILLs itself at the ``n``-th boundary
-    of a save (each call of ``lightning_lowmem.formats.atomic_file.step``, 0 first); True when it was killed there,
+    of a save (each call of ``lightning_lowmem.saving.atomic_file.step``, 0 first); True when it was killed there,
     False when the save ended first. A child that hangs is killed after 120 s and the test fails."""
     import signal
     import time
@@ -368,7 +368,7 @@ def killed_at():
         if pid == 0:  # the child: no pytest teardown, no exit handlers, whatever happens
             code = 0
             try:
-                from lightning_lowmem.formats import atomic_file
+                from lightning_lowmem.saving import atomic_file
 
                 steps = iter(range(10**9))
                 atomic_file._on_step = lambda label: os.kill(os.getpid(), signal.SIGKILL) if next(steps) == n else None

@@ -68,8 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check --out, load (quantizing), save with the tokenizer files; what was done to stderr, the files to stdout."""
-    from lightning_lowmem.engine import LoadOptions, save_checkpoint
-    from lightning_lowmem.formats.save_target import check_save_target
+    from lightning_lowmem.engine import LoadOptions
+    from lightning_lowmem.saving import save_checkpoint
+    from lightning_lowmem.saving.save_target import check_save_target
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import load_for_generation
     from lightning_lowmem.memory import format_bytes, parse_bytes

@@ -28,7 +28,7 @@ from pathlib import Path
 from torch import nn
 
 from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.save import TIES_KEY
+from lightning_lowmem.formats.metadata_keys import TIES_KEY
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.engine.weight_sets import Chosen, choose_set
 from lightning_lowmem.formats import Checkpoint, TensorRecord

@@ -33,10 +33,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_lowmem.devices import indexed
-from lightning_lowmem.engine import LoadOptions, LoadReport, module_state, opened
+from lightning_lowmem.engine import LoadOptions, LoadReport, opened
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
-from lightning_lowmem.formats.atomic_file import replace_file
+from lightning_lowmem.saving import module_state
+from lightning_lowmem.saving.atomic_file import replace_file
 from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
 from lightning_lowmem.lightning.state import (
     module_to_device_skipping_meta,

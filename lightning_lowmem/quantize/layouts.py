@@ -11,7 +11,7 @@ the config classes whose weights it stores by :func:`register_layout`:
   against each other (:meth:`~StoredLayout.resolve_stored`), loaded as they are (:meth:`~StoredLayout.load_stored`)
   or dequantized (:meth:`~StoredLayout.dequantize_stored`).
 
-``stored.py`` and ``engine/save.py`` ask every layout in :data:`LAYOUTS`, with no branch per scheme. The
+``stored.py`` and ``saving/save.py`` ask every layout in :data:`LAYOUTS`, with no branch per scheme. The
 layouts are transformers' own: ``bnb_layout.py`` (bitsandbytes' 4-bit and 8-bit modules) and
 ``torchao_layout.py`` (torchao's safetensors flattening).
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from lightning_lowmem.errors import SaveError
-from lightning_lowmem.formats.atomic_file import (
+from lightning_lowmem.saving.atomic_file import (
     block_size,
     copy_new,
     exchange,
@@ -42,7 +42,7 @@ from lightning_lowmem.formats.atomic_file import (
     rename_new,
     step,
 )
-from lightning_lowmem.formats.temporaries import (
+from lightning_lowmem.saving.temporaries import (
     TEMPORARY_PREFIX,
     holding,
     leftover_pattern,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lightning_lowmem.errors import SaveError
-from lightning_lowmem.formats.temporaries import _NEW, _UNSUPPORTED, _named, new_locked_file, remove_leftovers
+from lightning_lowmem.saving.temporaries import _NEW, _UNSUPPORTED, _named, new_locked_file, remove_leftovers
 from lightning_lowmem.memory.units import format_bytes
 from lightning_lowmem.system import swap_call
 

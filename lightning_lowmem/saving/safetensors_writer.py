@@ -14,7 +14,7 @@ to run; here they keep the order given). A set of several files is named as ``sa
 it (``model-00001-of-00003.safetensors``) with a ``model.safetensors.index.json``.
 
 Files are written into a directory that holds none of them yet (the new directory of a save, switched in
-whole by :mod:`~lightning_lowmem.formats.atomic_directory`): each is created with ``O_EXCL | O_NOFOLLOW``,
+whole by :mod:`~lightning_lowmem.saving.atomic_directory`): each is created with ``O_EXCL | O_NOFOLLOW``,
 so nothing is ever written through a link, then flushed and fsynced.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_lowmem.formats.atomic_file import write_new
+from lightning_lowmem.saving.atomic_file import write_new
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.float8_e5m2: "F8_E5M2",

@@ -11,7 +11,7 @@ The files load back with :func:`~lightning_lowmem.load_checkpoint` as they are, 
 with transformers' ``from_pretrained`` where transformers reads the scheme (a transformers model also gets its
 ``config.json``, with the ``quantization_config`` transformers needs).
 
-The directory is replaced as a whole (:mod:`~lightning_lowmem.formats.save_target`): everything is written
+The directory is replaced as a whole (:mod:`~lightning_lowmem.saving.save_target`): everything is written
 into a new directory beside it, then switched in with one rename, so that a kill or a full disk at any moment
 leaves the complete old checkpoint or the complete new one.
 """
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
-from lightning_lowmem.runtime.disk_units import ON_DISK
 from lightning_lowmem.errors import MetaTensorError, UnsupportedQuantizationError, format_names
-from lightning_lowmem.formats.atomic_file import copy_new
-from lightning_lowmem.formats.safetensors_writer import (  # SCHEME_KEY: still importable from here
+from lightning_lowmem.formats.metadata_keys import TIES_KEY
+from lightning_lowmem.saving.atomic_file import copy_new
+from lightning_lowmem.saving.safetensors_writer import (  # SCHEME_KEY: still importable from here
     SCHEME_KEY,
     WRITER,
     WRITER_KEY,
@@ -38,15 +38,13 @@ from lightning_lowmem.formats.safetensors_writer import (  # SCHEME_KEY: still i
     plan_sharded,
     write_sharded,
 )
-from lightning_lowmem.formats.save_target import checkpoint_directory, is_weight_file
+from lightning_lowmem.saving.save_target import checkpoint_directory, is_weight_file
 from lightning_lowmem.memory.units import parse_bytes
 from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import architecture_of
 from lightning_lowmem.quantize import LAYOUTS, QuantScheme, layout_of, scheme_of
 from lightning_lowmem.quantize.selection import as_linear
-
-TIES_KEY = "lightning_lowmem.ties"
-"""The metadata key of a save's tied tensors: JSON, each name not written -> the name it was written under."""
+from lightning_lowmem.runtime.disk_units import ON_DISK
 
 
 

@@ -26,9 +26,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lightning_lowmem.errors import ForeignWeightsError, format_names
-from lightning_lowmem.formats.atomic_directory import check_switchable, resolved_target, switch_directory, tidy
+from lightning_lowmem.saving.atomic_directory import check_switchable, resolved_target, switch_directory, tidy
 from lightning_lowmem.formats.discovery import is_weight_name
-from lightning_lowmem.formats.safetensors_writer import (
+from lightning_lowmem.saving.safetensors_writer import (
     INDEX_FILE,
     SCHEME_KEY,
     SHARD_NAME,
@@ -83,7 +83,7 @@ def check_save_target(directory: str | Path, *, sizes: Sequence[int] = (), overw
 def checkpoint_directory(directory: str | Path, *, sizes: Sequence[int] = (), overwrite: bool = False
                          ) -> Iterator[Path]:
     """The new directory a checkpoint is written into, switched in as ``directory`` when the block ends (see
-    :func:`~lightning_lowmem.formats.atomic_directory.switch_directory`). What the old directory holds beyond
+    :func:`~lightning_lowmem.saving.atomic_directory.switch_directory`). What the old directory holds beyond
     the new files is carried over, except its weight files: an earlier save's are replaced, foreign ones
     (only with ``overwrite``) removed.
 

@@ -30,7 +30,7 @@ def wide_chat_dir(tmp_path_factory, tiny_config, write_litgpt_dir):
 @pytest.mark.parametrize("scheme", ["bnb.nf4", "torchao.int8wo"])
 def test_the_copy_loads_as_stored_and_generates_what_quantize_on_load_generates(tmp_path, wide_chat_dir, capsys,
                                                                                  scheme):
-    from lightning_lowmem.engine import module_state
+    from lightning_lowmem.saving import module_state
     from lightning_lowmem.litgpt.generation import load_for_generation
 
     out = tmp_path / "copy"
@@ -147,7 +147,7 @@ def test_out_on_a_disk_too_small_is_one_line_before_any_read(mount_tmpfs, chat_m
 
 def test_a_disk_that_fills_during_the_save_is_one_line_and_the_old_copy_stays(mount_tmpfs, fill_disk, monkeypatch,
                                                                               chat_model_dir, capsys):
-    from lightning_lowmem.formats import atomic_file
+    from lightning_lowmem.saving import atomic_file
 
     disk = mount_tmpfs("1m")
     out = disk / "copy"

@@ -9,9 +9,9 @@ import stat
 import pytest
 
 from lightning_lowmem import SaveError
-from lightning_lowmem.formats import atomic_directory
-from lightning_lowmem.formats.atomic_directory import switch_directory, tidy
-from lightning_lowmem.formats.atomic_file import write_new
+from lightning_lowmem.saving import atomic_directory
+from lightning_lowmem.saving.atomic_directory import switch_directory, tidy
+from lightning_lowmem.saving.atomic_file import write_new
 
 
 def _write(directory, name: str, data: bytes) -> None:

@@ -9,9 +9,9 @@ import stat
 import pytest
 
 from lightning_lowmem import SaveError
-from lightning_lowmem.formats import temporaries
-from lightning_lowmem.formats.atomic_file import exchange, replace_file, write_new
-from lightning_lowmem.formats.temporaries import locked, make_temporary_directory, remove_leftovers
+from lightning_lowmem.saving import temporaries
+from lightning_lowmem.saving.atomic_file import exchange, replace_file, write_new
+from lightning_lowmem.saving.temporaries import locked, make_temporary_directory, remove_leftovers
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def test_a_concurrent_clean_up_never_removes_a_temporary_file_being_written(tmp_
 
 
 def test_a_concurrent_clean_up_never_removes_a_directory_being_written(tmp_path, monkeypatch):
-    from lightning_lowmem.formats.atomic_directory import switch_directory
+    from lightning_lowmem.saving.atomic_directory import switch_directory
 
     (tmp_path / "out").mkdir()
     removed = _clean_up_before_each_lock(monkeypatch, tmp_path, "out")

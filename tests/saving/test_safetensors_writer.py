@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lightning_lowmem import Checkpoint
-from lightning_lowmem.formats.safetensors_writer import (
+from lightning_lowmem.saving.safetensors_writer import (
     WRITER_KEY,
     TensorToWrite,
     plan_sharded,

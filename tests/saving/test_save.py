@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from lightning_lowmem import MetaTensorError, init_empty, load_checkpoint, save_checkpoint
-from lightning_lowmem.engine import module_state
+from lightning_lowmem.saving import module_state
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.quantize import module_nbytes
 
@@ -234,7 +234,7 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
 
 def _steps(save, monkeypatch) -> list[str]:
     """The boundaries ``save()`` passes, in order (the save really runs)."""
-    from lightning_lowmem.formats import atomic_file
+    from lightning_lowmem.saving import atomic_file
 
     labels: list[str] = []
     monkeypatch.setattr(atomic_file, "_on_step", labels.append)
@@ -311,7 +311,7 @@ def test_a_disk_that_fills_during_the_save_leaves_the_old_checkpoint(mount_tmpfs
     """Another program fills the disk after each boundary of the save: the save fails with a SaveError naming the
     file it was writing and the bytes needed and free, the directory loads as A, and nothing is left beside it."""
     from lightning_lowmem import SaveError
-    from lightning_lowmem.formats import atomic_file
+    from lightning_lowmem.saving import atomic_file
 
     disk = mount_tmpfs("1m")
     a, b = model_pair(2)
@@ -345,7 +345,7 @@ def _tree(root) -> dict[str, bytes | str]:
 
 def test_links_planted_at_temporary_and_final_names_are_neither_followed_nor_left(model_pair, loaded_from,
                                                                                   monkeypatch, tmp_path):
-    from lightning_lowmem.formats import temporaries
+    from lightning_lowmem.saving import temporaries
 
     a, b = model_pair()
     outside = tmp_path / "outside"

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_lowmem import ForeignWeightsError, SaveError
-from lightning_lowmem.formats.save_target import check_save_target, checkpoint_directory, weight_files
+from lightning_lowmem.saving.save_target import check_save_target, checkpoint_directory, weight_files
 
 TENSOR = {"w": torch.ones(2)}
 
