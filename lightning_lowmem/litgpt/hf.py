@@ -142,6 +142,9 @@ def hf_to_litgpt(config: Any, records: Mapping[str, TensorRecord]) -> HFConversi
     # a run of rows at a time straight into place, where building them holds the parts and the result together.
     # Seen concatenated whole (torch.cat of the checkpoint's own tensors along rows): declared; others probed.
     declared = _declared_stacks(state, conversion.sources, provenance, records)
+    # a tensor litgpt's conversion sets to a checkpoint tensor itself (a tied head): that tensor, row for row
+    declared.update({name: Stack((0,), records[keys[0]].shape[1:]) for name, keys in conversion.sources.items()
+                     if name in conversion.tied and len(records[keys[0]].shape) > 0})
     conversion._stacks = dict(with_stacks(Combine(conversion.sources, conversion._convert, declared), records).stacks)
     return conversion
 

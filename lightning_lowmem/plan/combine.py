@@ -197,6 +197,9 @@ PROBE_ELEMENTS = 2**25
 probe and its result: 256 MiB at most, for the plan only); a larger one is a stack only when its conversion
 declares it."""
 
+_CHECK_ELEMENTS = 2**20
+"""How many elements of a probe's result :func:`_source_rows` compares at a time."""
+
 
 def _stack_of(fn: Callable[[str, dict[str, torch.Tensor]], torch.Tensor], name: str,
               parts: Sequence[TensorRecord]) -> Stack | None:
@@ -236,9 +239,12 @@ def _source_rows(out: object, tail: tuple[int, ...], width: int, total: int) -> 
         return None
     rows = out.reshape(-1, width)
     source = (rows[:, 0].to(torch.int64) + total) // width
-    expected = (source * width - total).view(-1, 1) + torch.arange(width, dtype=torch.int64)
-    if not torch.equal(rows.to(torch.int64), expected):
-        return None
+    columns = torch.arange(width, dtype=torch.int32)
+    step = max(1, _CHECK_ELEMENTS // width)  # a block of rows at a time: the check adds little to the probe
+    for lo in range(0, len(source), step):
+        expected = (source[lo:lo + step] * width - total).to(torch.int32).view(-1, 1) + columns
+        if not torch.equal(rows[lo:lo + step], expected):
+            return None
     if not torch.equal(source.sort().values, torch.arange(len(source), dtype=torch.int64)):
         return None
     return source
