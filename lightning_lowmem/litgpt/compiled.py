@@ -11,8 +11,12 @@ length of a generation (litgpt's own loop, its chat's too, runs unchanged) and p
   prompt's forward, once a request, runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
   repacking forward outside the compiled graph).
 * **One shape a request.** The compiled step reads the whole KV cache through the mask (litgpt's
-  ``input_pos_maxp1=None``), as gpt-fast does: every step of a request has the same shapes, which CUDA graphs
-  replay. Masked positions add exact zeros, and the tests check the greedy tokens equal the eager loop's.
+  ``input_pos_maxp1=None``, as gpt-fast does): every step of a request has the same shapes, which a CUDA graph
+  replays (a slice growing a position a token would record a graph a token).
+* **Eager's rounding.** Inductor fuses bf16 operations and rounds once where eager rounds each result; greedy
+  tokens then part where two logits are close (on CPU, tiny configs and pythia-14m's diverged after 2-9 tokens).
+  ``emulate_precision_casts`` (inductor's setting for this) rounds as eager does, and the tests check the greedy
+  tokens equal the eager loop's.
 * **No recompile across request lengths.** The caches stay sized to prompt + ``max_new_tokens``
   (:func:`~lightning_lowmem.setup_kv_cache`: the same bytes with and without compile), and one compiled graph serves
   every cache length: ``dynamic=True`` as litgpt's chat, with the caches' buffer shapes and the model's
@@ -119,12 +123,12 @@ def _compiled(eager: Callable[..., torch.Tensor], mode: str | None) -> Callable[
 
 
 def _settings(device: torch.device) -> contextlib.ExitStack:
-    """The dynamo (and on CUDA, inductor) settings of a compiled generation, set while it runs."""
+    """The dynamo and inductor settings of a compiled generation, set while it runs."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(force_parameter_static_shapes=False,
                                                    allow_unspec_int_on_nn_module=True))
-    if device.type == "cuda":
-        stack.enter_context(torch._inductor.config.patch(coordinate_descent_tuning=True))
+    stack.enter_context(torch._inductor.config.patch(emulate_precision_casts=True,
+                                                     coordinate_descent_tuning=device.type == "cuda"))
     return stack
 
 
