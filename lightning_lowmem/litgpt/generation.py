@@ -12,6 +12,7 @@ and report the memory of each: weights, KV cache, mask, RoPE, peak RSS.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,10 @@ from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.quantize import module_nbytes
+from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -241,6 +245,8 @@ def generate(
 
     options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
                                  disk_offload=disk_offload)
+    if note := cpu_speed_note(options.quantize, execution_device(options), compiled=compile):
+        log.warning(note)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
