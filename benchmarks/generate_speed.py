@@ -52,21 +52,27 @@ GiB = 2**30
 # ---------------------------------------------------------------- the worker: one method in this fresh process
 
 class Clock:
-    """When each token of a request reached the host: the prefill ends at the first."""
+    """When each token of a request reached the host (wall time, and this process's CPU time): the prefill ends at
+    the first."""
 
     def __init__(self) -> None:
-        self.requests: list[list[float]] = []
+        self.requests: list[list[tuple[float, float]]] = []
 
     def start(self) -> None:
-        self.requests.append([time.perf_counter()])
+        self.requests.append([(time.perf_counter(), time.process_time())])
 
     def token(self) -> None:
-        self.requests[-1].append(time.perf_counter())
+        self.requests[-1].append((time.perf_counter(), time.process_time()))
 
     def rates(self, prompt: int) -> dict:
+        """Tokens per second of wall time, and per second of CPU time (all of this process's threads: what the work
+        costs, less sensitive to other processes on a shared machine)."""
         first, last = self.requests[0], self.requests[-1]
-        return {"prefill": prompt / (last[1] - last[0]), "decode": (len(last) - 2) / (last[-1] - last[1]),
-                "first_request": first[-1] - first[0], "new": len(last) - 1}
+        out = {"first_request": first[-1][0] - first[0][0], "new": len(last) - 1}
+        for i, suffix in enumerate(("", "_cpu")):
+            out["prefill" + suffix] = prompt / (last[1][i] - last[0][i])
+            out["decode" + suffix] = (len(last) - 2) / (last[-1][i] - last[1][i])
+        return out
 
 
 def clock_litgpt(clock: Clock) -> None:
@@ -257,10 +263,11 @@ def table(rows: list[dict]) -> str:
         parts.append(f"### {model}, {device}" + (f": memory bus {median(bandwidth) / 1e9:.1f} GB/s (median of "
                      f"{len(bandwidth)})" if bandwidth else "") + (f", load average {min(loads):.1f}-{max(loads):.1f}"
                                                                   if loads else ""))
-        parts.append(markdown(["method", "prefill tokens/s", "decode tokens/s", f"decode / {REFERENCE}",
-                               "bound tokens/s", "of the bound", "first request s", f"tokens as {REFERENCE}",
-                               "rounds"], method_rows(mine, bandwidth)))
-    return "\n\n".join(parts)
+        parts.append(markdown(["method", "prefill tokens/s", "decode tokens/s", "decode / reference",
+                               "decode tokens per CPU s", "decode / reference, CPU time", "bound tokens/s",
+                               "of the bound", "first request s", "tokens as lowmem, same scheme, eager", "rounds"],
+                              method_rows(mine, bandwidth)))
+    return "\n\n".join(parts) + f"\n\nreference: {REFERENCE}, same round"
 
 
 def method_rows(rows: list[dict], bandwidth: list[float]) -> list[list[str]]:
@@ -271,18 +278,30 @@ def method_rows(rows: list[dict], bandwidth: list[float]) -> list[list[str]]:
         runs = [r for r in rows if r["method"] == method]
         good = [r for r in runs if "decode" in r]
         if not good:
-            out.append([method, f"error: {runs[0].get('error', '?')}", "", "", "", "", "", "", str(len(runs))])
+            out.append([method, f"error: {runs[0].get('error', '?')}"] + [""] * 8 + [str(len(runs))])
             continue
         decode = median([r["decode"] for r in good])
-        ratios = [r["decode"] / reference[r["round"]]["decode"] for r in good if r["round"] in reference]
-        scheme = method.split()[1]
-        bound = median(bandwidth) / step[scheme] if bandwidth and scheme in step else None
-        same = [r["tokens"] == reference[r["round"]]["tokens"] for r in good if r["round"] in reference]
-        out.append([method, f"{median([r['prefill'] for r in good]):.1f}", f"{decode:.2f}",
-                    f"{median(ratios):.2f}x" if ratios else "", f"{bound:.2f}" if bound else "",
-                    f"{decode / bound:.0%}" if bound else "", f"{median([r['first_request'] for r in good]):.1f}",
+        bound = median(bandwidth) / step[method.split()[1]] if bandwidth and method.split()[1] in step else None
+        eager = {r["round"]: r["tokens"] for r in rows if r["method"] == f"lowmem {method.split()[1]}" and "tokens" in r}
+        same = [r["tokens"] == eager[r["round"]] for r in good if r["round"] in eager] \
+            if method != f"lowmem {method.split()[1]}" else []
+        out.append([method, f"{median([r['prefill'] for r in good]):.2f}", f"{decode:.3f}",
+                    _ratio(good, reference, "decode"), _median(good, "decode_cpu", ".3f"),
+                    _ratio(good, reference, "decode_cpu"), f"{bound:.2f}" if bound else "",
+                    f"{decode / bound:.1%}" if bound else "", f"{median([r['first_request'] for r in good]):.0f}",
                     ("yes" if all(same) else f"{sum(same)} of {len(same)}") if same else "", str(len(good))])
     return out
+
+
+def _ratio(rows: list[dict], reference: dict[int, dict], key: str) -> str:
+    """The median over the rounds of a row's ``key`` over the reference's in the same round."""
+    ratios = [r[key] / reference[r["round"]][key] for r in rows if key in r and key in reference.get(r["round"], {})]
+    return f"{median(ratios):.2f}x" if ratios else ""
+
+
+def _median(rows: list[dict], key: str, spec: str) -> str:
+    values = [r[key] for r in rows if key in r]
+    return format(median(values), spec) if values else ""
 
 
 def main() -> None:

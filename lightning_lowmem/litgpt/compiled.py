@@ -41,7 +41,7 @@ import torch
 
 from lightning_lowmem.litgpt.requirement import import_litgpt
 
-_COMPILED: dict[str | None, Callable[..., torch.Tensor]] = {}
+_COMPILED: dict[tuple[Callable[..., torch.Tensor], str | None], Callable[..., torch.Tensor]] = {}
 
 
 class DecodeStep:
@@ -117,9 +117,9 @@ def compile_blocker(report: Any) -> str | None:
 
 def _compiled(eager: Callable[..., torch.Tensor], mode: str | None) -> Callable[..., torch.Tensor]:
     """litgpt's ``next_token`` compiled once a process for ``mode`` (its graphs are cached by torch per model)."""
-    if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(eager, mode=mode, dynamic=True)
-    return _COMPILED[mode]
+    if (eager, mode) not in _COMPILED:
+        _COMPILED[eager, mode] = torch.compile(eager, mode=mode, dynamic=True)
+    return _COMPILED[eager, mode]
 
 
 def _settings(device: torch.device) -> contextlib.ExitStack:
