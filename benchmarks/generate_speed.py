@@ -2,6 +2,7 @@
 against litgpt's generate and transformers' generate, and against the bound the memory bus sets.
 
     python benchmarks/generate_speed.py                                   # pythia-410m and pythia-1b, every method
+    python benchmarks/generate_speed.py --devices cuda --models pythia-1b  # a subset: one device, one model
     python benchmarks/generate_speed.py --models pythia-410m --rounds 1 --methods "lowmem bf16" "lowmem bf16 compile"
     python benchmarks/generate_speed.py --list                            # the methods
     python benchmarks/generate_speed.py --table results.jsonl             # the table of an earlier run
@@ -245,15 +246,18 @@ def run_rounds(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for model in args.models:
                 directory = checkpoint(model, args.workdir)
-                shift = r % len(args.methods)
-                for method in args.methods[shift:] + args.methods[:shift]:
-                    flags = ["--worker", method, "--models", model, "--device", args.device, "--prompt",
-                             str(args.prompt), "--new", str(args.new), "--workdir", str(args.workdir)]
-                    result = run_fresh(script, flags, timeout=args.timeout)
-                    row = {"round": r, "model": model, "method": method, "device": args.device, **result}
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-                    print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), file=sys.stderr, flush=True)
+                for device in args.devices:
+                    methods = args.methods or default_methods(device)
+                    shift = r % len(methods)
+                    for method in methods[shift:] + methods[:shift]:
+                        flags = ["--worker", method, "--models", model, "--device", device, "--prompt",
+                                 str(args.prompt), "--new", str(args.new), "--workdir", str(args.workdir)]
+                        row = {"round": r, "model": model, "method": method, "device": device,
+                               **run_fresh(script, flags, timeout=args.timeout)}
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), file=sys.stderr,
+                              flush=True)
 
 
 def table(rows: list[dict]) -> str:
@@ -314,7 +318,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
     parser.add_argument("--new", type=int, default=32, help="new tokens per request (default 32)")
-    parser.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")
+    parser.add_argument("--devices", nargs="+", default=None, help="default: cpu, and cuda when there is one")
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # a worker's
     parser.add_argument("--workdir", type=Path, default=WORKDIR / "generate_speed")
     parser.add_argument("--out", type=Path, default=Path("generate_speed.jsonl"))
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a method may take (default 1800)")
@@ -322,9 +327,11 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the methods and exit")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # litgpt's Fabric takes a GPU when it sees one
     import torch
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.devices = args.devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if args.list:
         print("\n".join(METHODS))
         return
@@ -332,11 +339,12 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.workdir / args.models[0], args)))
         return
     if args.table is None:
-        args.methods = args.methods or default_methods(args.device)
         print(environment(["lightning", "litgpt", "transformers", "bitsandbytes", "torchao"]), flush=True)
         print(f"models: {', '.join(args.models)} configs, random bf16 weights; {args.prompt}-token prompt + {args.new} "
-              f"greedy tokens, batch 1, {args.device}; rounds: {args.rounds}; methods: {', '.join(args.methods)}",
-              flush=True)
+              f"greedy tokens, batch 1, on {', '.join(args.devices)}; rounds: {args.rounds}; methods: "
+              f"{', '.join(args.methods or ['every one the device runs'])}", flush=True)
+        for device in args.devices:
+            print(f"{device}: not run: {', '.join(sorted(set(METHODS) - set(default_methods(device))))}", flush=True)
         run_rounds(args)
     rows = [json.loads(line) for line in open(args.table or args.out) if line.strip()]
     print(table(rows))
@@ -350,8 +358,6 @@ def default_methods(device: str) -> list[str]:
     from lightning_lowmem.quantize import make_scheme
 
     int4 = make_scheme("torchao.int4wo").unavailable_reason(torch.device(device))
-    if int4 is not None:
-        print(f"torchao.int4wo: not run: {int4}", flush=True)
     return [m for m in METHODS if not (device == "cpu" and m in ("litgpt bnb.nf4", "litgpt bnb.int8"))
             and not (int4 is not None and "int4wo" in m)]
 
