@@ -10,11 +10,15 @@ length of a generation (litgpt's own loop, its chat's too, runs unchanged) and p
 * **The decode step is compiled, the prefill is not.** A forward of one token goes to ``next_token`` compiled; the
   prompt's forward, once a request, runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
   repacking forward outside the compiled graph).
-* **One shape a request.** The compiled step reads the whole KV cache through the mask (litgpt's
-  ``input_pos_maxp1=None``, as gpt-fast does): every step of a request has the same shapes, which a CUDA graph
-  replays (a slice growing a position a token would record a graph a token).
+* **The cache read as eager reads it; on CUDA, one shape a request.** On a CPU the compiled step takes litgpt's
+  ``input_pos_maxp1`` (attention over the filled positions only, as the eager loop), a symbolic int. On CUDA it reads
+  the whole KV cache through the mask (``input_pos_maxp1=None``, as gpt-fast does): every step of a request has the
+  same shapes, which a CUDA graph replays, where a slice growing a position a token would record a graph a token.
+  Masked positions add exact zeros, but the attention then sums in another order: on pythia-410m's config (random
+  weights, CPU) the whole cache parted from eager at the 8th token, where eager's two best logits were one bf16
+  rounding apart; the filled positions alone did not.
 * **Eager's rounding.** Inductor fuses bf16 operations and rounds once where eager rounds each result; greedy
-  tokens then part where two logits are close (on CPU, tiny configs and pythia-14m's diverged after 2-9 tokens).
+  tokens then part where two logits are close (on CPU, tiny configs and pythia-14m's parted after 2-9 tokens).
   ``emulate_precision_casts`` (inductor's setting for this) rounds as eager does, and the tests check the greedy
   tokens equal the eager loop's.
 * **No recompile across request lengths.** The caches stay sized to prompt + ``max_new_tokens``
@@ -48,9 +52,10 @@ class DecodeStep:
     """What litgpt's loop calls as ``next_token`` under :func:`compiled_decoding`: one token's forward compiled, any
     other forward (the prefill) eager, and eager for good after a compile that failed."""
 
-    def __init__(self, eager: Callable[..., torch.Tensor], mode: str | None) -> None:
+    def __init__(self, eager: Callable[..., torch.Tensor], device: torch.device) -> None:
         self.eager = eager
-        self.mode = mode
+        self.mode = compile_mode(device)
+        self.whole_cache = device.type == "cuda"  # one shape a request, for CUDA graphs
         self.failed: str | None = None
 
     def __call__(self, model: Any, input_pos: torch.Tensor, x: torch.Tensor, input_pos_maxp1: int | None = None,
@@ -59,7 +64,8 @@ class DecodeStep:
             return self.eager(model, input_pos, x, input_pos_maxp1=input_pos_maxp1, **sample)
         breaks = _graph_breaks()
         try:
-            token = _compiled(self.eager, self.mode)(model, input_pos, x, input_pos_maxp1=None, **sample)
+            maxp1 = None if self.whole_cache else input_pos_maxp1
+            token = _compiled(self.eager, self.mode)(model, input_pos, x, input_pos_maxp1=maxp1, **sample)
         except torch._dynamo.exc.TorchDynamoException as e:  # the step's cache writes are redone, with the same values
             self.failed = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             warnings.warn(f"compile=True: torch.compile failed on the decode step ({self.failed}); decoding "
@@ -88,7 +94,7 @@ def compiled_decoding(device: torch.device | str, *, blocked_by: str | None = No
         return
     base = import_litgpt("litgpt.generate.base", needed_by="generate(compile=True)")
     before = base.next_token
-    step = DecodeStep(getattr(before, "eager", before), compile_mode(torch.device(device)))
+    step = DecodeStep(getattr(before, "eager", before), torch.device(device))
     base.next_token = step
     try:
         with _settings(torch.device(device)):

@@ -119,7 +119,7 @@ def test_litgpts_next_token_is_put_back_when_generation_fails(tiny_config, tiny_
 
     before = litgpt_generate.next_token
     with pytest.raises(RuntimeError, match="stop"), compiled_decoding("cpu") as step:
-        assert isinstance(litgpt_generate.next_token, DecodeStep) and step.mode is None
+        assert isinstance(litgpt_generate.next_token, DecodeStep) and step.mode is None and not step.whole_cache
         raise RuntimeError("stop")
     assert litgpt_generate.next_token is before
 
