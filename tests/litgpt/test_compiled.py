@@ -41,7 +41,7 @@ def test_greedy_tokens_and_cache_bytes_equal_those_without_compile(tmp_path, tin
 @pytest.mark.slow
 def test_where_compiled_and_eager_part_the_eager_logits_are_a_near_tie(tmp_path, tiny_config, write_litgpt_dir):
     """Compiled kernels sum in another order than eager ones: logits differ by a few bf16 roundings, and greedy
-    tokens part where eager's two best logits are that close (this model: torchao int8 weights, 5th new token)."""
+    tokens part where eager's two best logits are that close (this model: torchao int8 weights, 6th new token)."""
     from lightning_lowmem.litgpt.generation import load_for_generation
 
     directory = write_litgpt_dir(tmp_path / "gqa", tiny_config("gqa", n_embd=64, intermediate_size=256),
