@@ -19,6 +19,7 @@ from typing import Any
 from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
 from lightning_lowmem.cli.options import (
     add_checkpoint,
+    add_compile,
     add_load,
     add_sampling,
     add_subcommand,
@@ -48,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_checkpoint(parser, "the checkpoint directory")
     add_sampling(parser)
     add_load(parser)
+    add_compile(parser)
     parser.add_argument("--multiline", action="store_true", help="prompts of several lines, ended by '!submit'")
     parser.set_defaults(run=run, parser=parser)
 
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
     _seed()
     device = report.placement.execution_device if report.placement is not None else next(model.parameters()).device
-    with patch_litgpt(), torch.inference_mode():
+    with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report):
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
                  fabric=Console(torch.device(device)), temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
@@ -105,6 +107,15 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
                                                    device=None if args.max_memory else default_device(args.device),
                                                    max_memory=args.max_memory, disk_offload=args.disk_offload or None)
     return model, tokenizer, found, report
+
+
+def _decoding(compile: bool, device: Any, report: Any) -> Any:
+    """With ``--compile``, litgpt's decode step compiled while the chat runs (each turn's caches sized to it)."""
+    import contextlib
+
+    from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
+
+    return compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext()
 
 
 def _prompt_style(found: Any) -> Any:

@@ -18,6 +18,7 @@ from pathlib import Path
 from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
 from lightning_lowmem.cli.options import (
     add_checkpoint,
+    add_compile,
     add_load,
     add_sampling,
     add_subcommand,
@@ -53,6 +54,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--num_samples", type=positive_int, default=1, help="samples, one after another (default 1)")
     add_sampling(parser)
     add_load(parser)
+    add_compile(parser)
     parser.set_defaults(run=run, parser=parser)
 
 
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
                       num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),
-                      max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED)
+                      max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED,
+                      compile=args.compile)
     if result.load_report is not None:
         print(result.load_report, file=sys.stderr)
     for i, tokens in enumerate(result.tokens):

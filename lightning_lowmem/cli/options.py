@@ -107,6 +107,30 @@ def bandwidth(text: str) -> float:
     return float(speed)
 
 
+def add_compile(parser: argparse.ArgumentParser) -> None:
+    """``--compile`` (litgpt's ``--compile true`` is read too)."""
+    parser.add_argument("--compile", nargs="?", const=True, default=False, type=boolean, metavar="true|false",
+                        help="compile the decode step with torch.compile, as litgpt's --compile (mode "
+                             "reduce-overhead on CUDA): the first reply pays the compile, later ones of any length "
+                             "reuse it; layers offloaded or on disk decode without it")
+
+
+def boolean(text: str) -> bool:
+    """``true``/``false`` (any case; also ``1``/``0``, ``yes``/``no``), as litgpt's command line reads a bool.
+
+    Example::
+
+        >>> boolean("True"), boolean("0")
+        (True, False)
+    """
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_sampling(parser: argparse.ArgumentParser) -> None:
     """litgpt's sampling flags, with its defaults."""
     parser.add_argument("--max_new_tokens", type=positive_int, default=50, help="tokens to generate (default 50)")

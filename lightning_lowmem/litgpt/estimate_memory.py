@@ -38,6 +38,7 @@ from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, build_meta_model
 from lightning_lowmem.plan import KeyMap
 from lightning_lowmem.quantize import QuantScheme
+from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 
 
 def estimate_memory(
@@ -122,7 +123,17 @@ def estimate_memory(
         est.notes.append(f"no litgpt config: KV cache, mask, RoPE and activations not estimated; {built}")
     if note:
         est.notes.append(note)
+    if speed := cpu_speed_note(options.quantize, _runs_on(options)):
+        est.notes.append(speed)
     return est
+
+
+def _runs_on(options: LoadOptions) -> torch.device:
+    """Where the estimated generation runs: the budgets' execution device, ``options.device``, else cuda when there
+    is one (as the command line's default)."""
+    if options.budgets is not None:
+        return torch.device(options.budgets.execution_device)
+    return torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: float | None) -> str:

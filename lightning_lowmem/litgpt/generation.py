@@ -12,6 +12,7 @@ and report the memory of each: weights, KV cache, mask, RoPE, peak RSS.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +25,16 @@ from lightning_lowmem.devices import cuda_or_none
 from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
+from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.quantize import module_nbytes
+from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -186,6 +191,7 @@ def generate(
     seed: int | None = 1234,
     max_memory: MaxMemory | None = None,
     disk_offload: bool | None = None,
+    compile: bool = False,
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
 
@@ -213,6 +219,10 @@ def generate(
         disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file and are
             read for each token's forward, the next one read while this one computes; the caches stay in memory.
             The file is closed when the generation ends.
+        compile: compile the decode step, as ``litgpt generate --compile`` does (``mode="reduce-overhead"`` on
+            CUDA), for caches of any length: the first sample pays the compile, requests of other lengths reuse it,
+            the tokens and the caches' bytes are those without compile. Layers offloaded or on disk decode
+            without compile, with a warning (see ``lightning_lowmem/litgpt/compiled.py``).
 
     Returns:
         A :class:`GenerateResult`: tokens, texts, timings and a memory summary.
@@ -235,6 +245,8 @@ def generate(
 
     options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
                                  disk_offload=disk_offload)
+    if note := cpu_speed_note(options.quantize, execution_device(options), compiled=compile):
+        log.warning(note)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
@@ -251,8 +263,9 @@ def generate(
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
             device = execution_device(options) if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
-            _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
-                         dict(temperature=temperature, top_k=top_k, top_p=top_p))
+            with compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext():
+                _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
+                             dict(temperature=temperature, top_k=top_k, top_p=top_p))
     result.memory = _memory(model, monitor, report)
     return result
 

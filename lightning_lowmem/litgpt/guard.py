@@ -11,6 +11,9 @@ litgpt's ``GPT`` answers a position past its KV cache with a bare
 * raises :class:`KVCacheTooShortError`, with the lengths, for positions or a
   batch the KV cache cannot hold.
 
+Inside a compiled forward (``generate(compile=True)``'s decode step) it does nothing: its checks read tensor
+values, which would split the graph, and the caches were sized to the request before the loop.
+
 :func:`release_rope` drops a model's RoPE tables to zero rows and installs the
 guard, so that nothing the size of the whole context is held after a load.
 """
@@ -58,7 +61,7 @@ def _guard(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
     idx = args[0] if args else kwargs.get("idx")
     input_pos = args[1] if len(args) > 1 else kwargs.get("input_pos")
     maxp1 = args[2] if len(args) > 2 else kwargs.get("input_pos_maxp1")
-    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or torch.compiler.is_compiling():
         return
     if input_pos is None:
         _check_plain(model, idx.size(1))

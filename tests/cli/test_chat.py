@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from lightning_lowmem.cli import main
 
 TURNS = "t5 t17 t3\nt1 t2 t3 t4 t5 t6 t7 t8 t9\nt42\n\n"  # a longer second turn: the caches grow; then shorter
@@ -70,3 +72,14 @@ def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, mo
                                          tokenize=True)["input_ids"]
     assert seen == [want] and want[0] == 1
     assert ">> Reply: " in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compile_gives_the_same_replies_over_turns_of_other_lengths(run_cli, chat_model_dir):
+    """The compiled decode step serves every turn (a longer one grows the caches, a shorter one reuses them)."""
+    flags = ["--max_new_tokens", "12", "--top_k", "1"]
+    eager = run_cli("chat", chat_model_dir, *flags, stdin=TURNS)
+    compiled = run_cli("chat", chat_model_dir, *flags, "--compile", stdin=TURNS)
+    assert compiled.returncode == 0, compiled.stderr
+    assert _replies(compiled.stdout) == _replies(eager.stdout) and len(_replies(eager.stdout)) == 3
+    assert "compile=True" not in compiled.stderr

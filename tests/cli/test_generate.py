@@ -108,3 +108,26 @@ def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, mo
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
     assert seen == [reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]]
     assert "Be brief." in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compile_gives_the_same_text(run_cli, chat_model_dir):
+    """litgpt's spelling (--compile true) and the bare flag; the decode step compiled, the greedy text unchanged."""
+    flags = ["--prompt", PROMPT, "--max_new_tokens", "12", "--top_k", "1"]
+    eager = run_cli("generate", chat_model_dir, *flags)
+    compiled = run_cli("generate", chat_model_dir, *flags, "--compile", "true")
+    assert eager.returncode == compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == eager.stdout and "compile=True" not in compiled.stderr
+
+
+@pytest.mark.parametrize(("flags", "value"), [([], False), (["--compile"], True), (["--compile", "true"], True),
+                                              (["--compile=False"], False)])
+def test_compile_flag_as_litgpt_spells_it(flags, value):
+    from lightning_lowmem.cli.commands import build_parser
+
+    assert build_parser().parse_args(["generate", "ckpt", *flags]).compile is value
+
+
+def test_a_compile_value_that_is_not_a_bool_is_exit_2(capsys):
+    assert main(["generate", "ckpt", "--compile", "maybe"]) == 2
+    assert "expected true or false, got 'maybe'" in capsys.readouterr().err
