@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
     add_checkpoint,
     add_load,
@@ -34,7 +34,7 @@ EPILOG = """example:
   lightning-lowmem chat checkpoints/meta-llama/Llama-3.2-1B-Instruct --quantize bnb.nf4
   printf 'What do llamas eat?\\n\\n' | lightning-lowmem chat my-model --top_k 1   # scripted
 
-""" + EXIT_CODES
+""" + exit_codes("chat")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

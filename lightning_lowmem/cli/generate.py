@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
     add_checkpoint,
     add_load,
@@ -35,7 +35,7 @@ EPILOG = """example:
   lightning-lowmem generate my-model --prompt "1 2 3"     # a directory without a tokenizer takes token ids
   lightning-lowmem generate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload
 
-""" + EXIT_CODES
+""" + exit_codes("generate")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

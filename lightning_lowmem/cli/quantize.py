@@ -21,9 +21,15 @@ from pathlib import Path
 
 from typing import Any
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
-from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand, config_argument, default_device
-from lightning_lowmem.quantize import SCHEMES
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
+from lightning_lowmem.cli.options import (
+    add_checkpoint,
+    add_config,
+    add_quantize,
+    add_subcommand,
+    config_argument,
+    default_device,
+)
 
 COPIED = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
           "generation_config.json", "prompt_style.yaml")
@@ -33,7 +39,7 @@ EPILOG = """example:
   lightning-lowmem quantize checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --out pythia-1b-nf4
   lightning-lowmem generate pythia-1b-nf4 --prompt "What do llamas eat?"    # loads as stored: no --quantize
 
-""" + EXIT_CODES
+""" + exit_codes("quantize")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="remove weight files in --out that lightning-lowmem did not write (lit_model.pth, "
                              "pytorch_model.bin, *.safetensors, *.gguf); without it they stop the command before "
                              "any weight is read")
-    parser.add_argument("--quantize", default=None, metavar="SCHEME", help=f"one of {', '.join(SCHEMES)}")
+    add_quantize(parser, "the scheme of the copy")
     parser.add_argument("--skip_quantize", default=None, metavar="NAMES",
                         help="comma-separated module names or patterns kept in full precision (default: lm_head)")
     parser.add_argument("--precision", default=None, metavar="PRECISION",
