@@ -21,11 +21,11 @@ import sys
 from collections.abc import Mapping
 
 from lightning_lowmem.errors import LowMemError, UnsupportedQuantizationError
+from lightning_lowmem.interrupts import EXIT_INTERRUPTED, LINE  # noqa: F401  (EXIT_INTERRUPTED: the command's)
 
 EXIT_OK = 0
 EXIT_CHECKPOINT = 1
 EXIT_ARGUMENT = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
 _ONE = {  # what exit code 1 stands for, by what a subcommand does
     "checkpoint": "a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot "
@@ -142,4 +142,4 @@ def print_error(error: BaseException, flags: Mapping[str, tuple[str, str]] | Non
 
 def print_interrupted() -> None:
     """The one line a Ctrl-C leaves on stderr."""
-    print("interrupted (Ctrl-C): stopped; nothing half-written was left behind", file=sys.stderr)
+    print(LINE, file=sys.stderr)
