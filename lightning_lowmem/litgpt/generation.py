@@ -30,6 +30,7 @@ from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.quantize import module_nbytes
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
+from lightning_lowmem.quiet import quietly
 
 
 @dataclass
@@ -168,6 +169,7 @@ def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,
     return ids.to(device)
 
 
+@quietly  # third-party noise, and bitsandbytes' int8 cast message once instead of once per layer per token
 def generate(
     checkpoint: str | Path | LitgptCheckpoint | nn.Module,
     prompt: str | list[int] | torch.Tensor,
