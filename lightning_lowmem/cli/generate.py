@@ -63,12 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_budgets(args, args.parser)
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights)
-    prompt = args.prompt
-    if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
-        from lightning_lowmem.cli.prompts import prompt_style_for
-
-        prompt = prompt_style_for(found.directory, found.config, found.gguf).apply(prompt, sys_prompt=args.sys_prompt)
-    result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    result = generate(found, args.prompt, sys_prompt=args.sys_prompt,  # styled as litgpt styles it, by generate()
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
                       num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),
                       max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED)

@@ -37,6 +37,7 @@ from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
+from lightning_lowmem.litgpt.prompt_style import has_chat_template_style
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.meta import init_empty
 from lightning_lowmem.quiet import quietly
@@ -285,6 +286,10 @@ def has_tokenizer(directory: Path) -> bool:
 def _tokenizer(directory: Path) -> Any | None:
     if not has_tokenizer(directory):
         return None
+    if has_chat_template_style(directory):  # a GGUF file's tokenizer and chat template, written out by `quantize`
+        from lightning_lowmem.litgpt.gguf_tokenizer import read_tokenizer
+
+        return read_tokenizer(directory)
     Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="Reading a checkpoint's tokenizer").Tokenizer
 
     return Tokenizer(directory)
