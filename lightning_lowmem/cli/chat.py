@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
+    CHECKPOINT_HELP,
     add_checkpoint,
     add_load,
     add_sampling,
@@ -45,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "request. An empty prompt ends the chat (with --multiline: '!submit' ends a prompt, "
                     "'!quit' the chat). Needs a tokenizer in the directory.",
         epilog=EPILOG)
-    add_checkpoint(parser, "the checkpoint directory")
+    add_checkpoint(parser, CHECKPOINT_HELP)
     add_sampling(parser)
     add_load(parser)
     parser.add_argument("--multiline", action="store_true", help="prompts of several lines, ended by '!submit'")

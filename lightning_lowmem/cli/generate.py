@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
+    CHECKPOINT_HELP,
     add_checkpoint,
     add_load,
     add_sampling,
@@ -46,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "The checkpoint is a litgpt directory (lit_model.pth + model_config.yaml), an HF one "
                     "(model.safetensors + config.json), or a .gguf file (config and tokenizer from the file).",
         epilog=EPILOG)
-    add_checkpoint(parser, "the checkpoint directory")
+    add_checkpoint(parser, CHECKPOINT_HELP)
     parser.add_argument("--prompt", default="What food do llamas eat?",
                         help="the prompt; token ids ('1 2 3') when the directory has no tokenizer")
     parser.add_argument("--sys_prompt", default=None, help="the system prompt the prompt style puts in")

@@ -19,6 +19,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction, name: str, *, summary
                                  epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+CHECKPOINT_HELP = ("a checkpoint directory (litgpt's lit_model.pth + model_config.yaml, or an HF model.safetensors + "
+                   "config.json), or one file: a .gguf file, a lit_model.pth, a .safetensors")
+
+
 def add_checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
     """The checkpoint as a positional argument, or as ``--checkpoint_dir`` (litgpt's flag)."""
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help=what)

@@ -27,6 +27,7 @@ from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
+    CHECKPOINT_HELP,
     add_checkpoint,
     add_config,
     add_quantize,
@@ -56,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "they are: no full-precision weight is read or quantized again. Without --quantize, the copy "
                     "is in --precision (a conversion to litgpt's names and safetensors).",
         epilog=EPILOG)
-    add_checkpoint(parser, "the checkpoint directory or file")
+    add_checkpoint(parser, CHECKPOINT_HELP)
     parser.add_argument("--out", type=Path, required=True, metavar="DIR",
                         help="the directory to write (made if missing; replaced whole, other files in it kept)")
     parser.add_argument("--overwrite", action="store_true",

@@ -71,9 +71,7 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
         return Choice(stack.enter_context(Checkpoint.open(path)), path, f"{path}: the file given")
     sets = candidate_sets(path, prefer)
     if len(sets) == 1:
-        note = f" (prefer={prefer!r})" if prefer else ""
-        return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path,
-                      f"{sets[0].path}: the only weights in {path}{note}")
+        return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path, one_set_why(path, sets[0], prefer))
     views = [_View.of(s, stack.enter_context(Checkpoint.open(s.path)), module) for s in sets]
     for other in views[1:]:
         difference = views[0].difference(other)
@@ -104,6 +102,15 @@ def candidate_sets(directory: Path, prefer: str | None = None) -> list[WeightSet
         raise ValueError(f"prefer={prefer!r} (--weights) names none of the weight sets in {directory} "
                          f"({format_names(s.name for s in sets)}); name one of them, or a format: {', '.join(KINDS)}.")
     return found
+
+
+def one_set_why(directory: Path, chosen: WeightSet, prefer: str | None) -> str:
+    """Why ``chosen``, the one set :func:`candidate_sets` left: the only weights in ``directory``, or the one ``prefer``
+    asked for among several."""
+    count = len(weight_sets(directory)) if prefer is not None else 1
+    if count == 1:
+        return f"{chosen.path}: the only weights in {directory}"
+    return f"{chosen.path}: chosen as asked ({prefer!r}) among the {count} weight sets in {directory}"
 
 
 def _kind(weight_set: WeightSet) -> str:

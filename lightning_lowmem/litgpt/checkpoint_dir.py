@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
-from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set
+from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
@@ -130,7 +130,7 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None) -> tuple
         return path, f"{path}: the file given"
     sets = candidate_sets(path, prefer)
     if len(sets) == 1:
-        return sets[0].path, f"{sets[0].path}: the only weights in {path}"
+        return sets[0].path, one_set_why(path, sets[0], prefer)
     config = config or _directory_config(path, required=False)[0]
     if config is not None:
         _check_fits(config, sets[0].path)  # before a model is built from it to compare the sets
