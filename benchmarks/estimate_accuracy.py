@@ -8,8 +8,9 @@ transformers model litgpt does not know (a ``BertModel``, bf16 ``model.safetenso
 ``load_checkpoint`` into the model its ``config.json`` describes, built on meta.
 
 Measured: peak RSS above the RSS after the imports a user's script has done anyway (torch, litgpt,
-lightning, lightning_lowmem; for a GGUF file transformers and gguf, which reading one imports; for
-BERT transformers), so that the quantization library's import counts, as the estimate counts it:
+lightning, lightning_lowmem; for BERT, transformers and its BERT classes, which built the model), so that
+what the load imports counts, as the estimate counts it (the quantization library; for a GGUF file,
+transformers' GGUF code and model classes):
 
 * load: the load's own peak (``report.memory``, the kernel's high-water mark) above that floor;
 * generate: the peak of the whole ``generate()`` call above it (a GGUF file's tokenizer included).
@@ -17,7 +18,8 @@ BERT transformers), so that the quantization library's import counts, as the est
 The estimate is ``estimate_memory`` of the same request, in the parent: ``load_peak`` against the
 load, ``peak`` against the generation. A row passes when measured <= estimate <= 1.10 x measured.
 
-    python benchmarks/estimate_accuracy.py [--layers 8] [--bert-layers 6] [--schemes ...] [--jobs 2] [--json]
+    python benchmarks/estimate_accuracy.py [--layers 30] [--bert-layers 24] [--bert-hidden 1024] [--schemes ...]
+        [--jobs 2] [--json]
 """
 
 from __future__ import annotations
@@ -39,22 +41,21 @@ PROMPT, NEW = 64, 50
 BOUND = 1.10
 FLOOR_IMPORTS = {
     "litgpt-bf16": "torch, litgpt, litgpt.generate.base, lightning, lightning_lowmem",
-    "litgpt-gguf": "torch, litgpt, litgpt.generate.base, lightning, lightning_lowmem, transformers, "
-                   "transformers.integrations.ggml, transformers.modeling_gguf_pytorch_utils, gguf",
+    "litgpt-gguf": "torch, litgpt, litgpt.generate.base, lightning, lightning_lowmem",
     "bert-bf16": "torch, lightning_lowmem, transformers, transformers.models.bert.modeling_bert",
 }
 
 
-def write_sources(workdir: Path, layers: int, bert_layers: int) -> dict[str, Path]:
+def write_sources(workdir: Path, layers: int, bert_layers: int, bert_hidden: int) -> dict[str, Path]:
     """The three checkpoints, written once under ``workdir`` (kept when there)."""
-    out = workdir / f"estimate-{layers}-{bert_layers}"
+    out = workdir / f"estimate-{layers}-{bert_layers}x{bert_hidden}"
     paths = {"litgpt-bf16": out / "smollm2-bf16", "litgpt-gguf": out / "smollm2.Q4_1.gguf",
              "bert-bf16": out / "bert-bf16"}
     if not (paths["litgpt-bf16"] / "lit_model.pth").exists():
         _write_litgpt(paths["litgpt-bf16"], layers)
     write_llama_gguf(paths["litgpt-gguf"], "Q4_1", **{**SMOLLM, "layers": layers})
     if not (paths["bert-bf16"] / "model.safetensors").exists():
-        _write_bert(paths["bert-bf16"], bert_layers)
+        _write_bert(paths["bert-bf16"], bert_layers, bert_hidden)
     return paths
 
 
@@ -77,12 +78,13 @@ def _write_litgpt(directory: Path, layers: int) -> None:
     save_config(config, directory)
 
 
-def _write_bert(directory: Path, layers: int) -> None:
+def _write_bert(directory: Path, layers: int, hidden: int) -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.BertConfig(num_hidden_layers=layers)  # bert-base's widths, 30522-token vocabulary
+    config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 64,
+                                     intermediate_size=4 * hidden)  # 24 x 1024: bert-large's shapes
     transformers.BertModel(config).to(torch.bfloat16).save_pretrained(directory)
 
 
@@ -163,8 +165,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=WORKDIR)
-    parser.add_argument("--layers", type=int, default=8, help="SmolLM2 blocks (30 is SmolLM2-135M)")
-    parser.add_argument("--bert-layers", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=30, help="SmolLM2 blocks (30: SmolLM2-135M)")
+    parser.add_argument("--bert-layers", type=int, default=24)
+    parser.add_argument("--bert-hidden", type=int, default=1024, help="BERT's width (24 x 1024: bert-large)")
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     parser.add_argument("--sources", nargs="+", default=list(SOURCES))
     parser.add_argument("--jobs", type=int, default=2, help="fresh processes at a time")
@@ -174,15 +177,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]), args.child[2])))
         return
-    paths = {s: p for s, p in write_sources(args.workdir, args.layers, args.bert_layers).items() if s in args.sources}
+    written = write_sources(args.workdir, args.layers, args.bert_layers, args.bert_hidden)
+    paths = {s: p for s, p in written.items() if s in args.sources}
     rows = measure(paths, args.schemes, args.jobs)
     if args.json:
         print(json.dumps({"rows": rows, "bound": BOUND}))
         return
     every = [r for row in rows if "error" not in row["measured"] for r in ratios(row).values() if r is not None]
     print(environment(["torch", "litgpt", "bitsandbytes", "torchao", "transformers", "gguf"]))
-    print(f"\nSmolLM2 shapes, {args.layers} blocks; BERT, {args.bert_layers} layers; {PROMPT}-token prompt + {NEW} new "
-          f"tokens, greedy, CPU; one fresh process per row\n")
+    print(f"\nSmolLM2 shapes, {args.layers} blocks; BERT, {args.bert_layers} x {args.bert_hidden}; {PROMPT}-token "
+          f"prompt + {NEW} new tokens, greedy, CPU; one fresh process per row\n")
     print(table(rows))
     if every:
         print(f"\nestimate / measured: lowest {min(every):.3f}, highest {max(every):.3f} (bound: 1 to {BOUND})")
