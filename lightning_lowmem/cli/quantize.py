@@ -117,10 +117,13 @@ def _beside(found: Any, scratch: Path) -> list[Path]:
     written = []
     if found.tokenizer is not None:
         from lightning_lowmem.litgpt.gguf_tokenizer import write_tokenizer
+        from lightning_lowmem.litgpt.prompt_style import write_chat_template_style
 
         written = write_tokenizer(found.tokenizer, scratch, found.gguf.chat_template)
+        if found.gguf.chat_template and "prompt_style.yaml" not in own:
+            written.append(write_chat_template_style(scratch))
     if "prompt_style.yaml" in own:
-        written = [path for path in written if path.name != "prompt_style.yaml"] + [own["prompt_style.yaml"]]
+        written.append(own["prompt_style.yaml"])
     return written
 
 

@@ -112,11 +112,7 @@ def write_tokenizer(tokenizer: GGUFTokenizer, directory: Path, chat_template: st
     """A GGUF file's tokenizer as files in ``directory`` that litgpt's ``Tokenizer`` and transformers'
     ``AutoTokenizer`` read: ``tokenizer.json`` (the vocabulary as built), ``tokenizer_config.json`` (its special
     tokens, ``add_bos_token`` and ``chat_template``), ``generation_config.json`` (its end-of-turn ids as
-    ``eos_token_id``), and with a chat template ``prompt_style.yaml`` naming it as the prompt style
-    (:mod:`~lightning_lowmem.litgpt.prompt_style`). :func:`read_tokenizer` reads them back as the same tokenizer.
-    Returns the files written."""
-    from lightning_lowmem.litgpt.prompt_style import CHAT_TEMPLATE_STYLE
-
+    ``eos_token_id``). :func:`read_tokenizer` reads them back as the same tokenizer. Returns the files written."""
     tokenizer.processor.save(str(directory / "tokenizer.json"))
     config = {**tokenizer.special_tokens, **tokenizer.settings}
     if chat_template:
@@ -126,8 +122,6 @@ def write_tokenizer(tokenizer: GGUFTokenizer, directory: Path, chat_template: st
         stops = list(tokenizer.end_of_turn)
         files["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.bos_id,
                                                       "eos_token_id": stops[0] if len(stops) == 1 else stops})
-    if chat_template:
-        files["prompt_style.yaml"] = f"class_path: {CHAT_TEMPLATE_STYLE}\n"
     for name, text in files.items():
         (directory / name).write_text(text + ("" if text.endswith("\n") else "\n"), encoding="utf-8")
     return [directory / name for name in ("tokenizer.json", *files)]

@@ -73,6 +73,14 @@ def styled_prompt(prompt: str, style: Any, found: Any | None, config: Any, sys_p
     return style.apply(prompt, sys_prompt=sys_prompt)
 
 
+def write_chat_template_style(directory: Path) -> Path:
+    """``prompt_style.yaml`` in ``directory`` naming the chat template of its ``tokenizer_config.json`` as its prompt
+    style (litgpt's file, with the class litgpt's ``load_prompt_style`` would import); returns its path."""
+    path = directory / "prompt_style.yaml"
+    path.write_text(f"class_path: {CHAT_TEMPLATE_STYLE}\n", encoding="utf-8")
+    return path
+
+
 def has_chat_template_style(directory: Path) -> bool:
     """Whether ``directory``'s ``prompt_style.yaml`` names the chat template of its ``tokenizer_config.json``."""
     import yaml
