@@ -20,8 +20,12 @@ Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``
 (:mod:`lightning_lowmem.lightning.registration`).
 """
 
-import importlib
-from typing import Any
+from lightning_lowmem.interrupts import catch_while_starting as _catch_while_starting
+
+_catch_while_starting()  # in the lightning-lowmem command only: Ctrl-C while it imports is one line (interrupts.py)
+
+import importlib  # noqa: E402
+from typing import Any  # noqa: E402
 
 from lightning_lowmem.system import check_supported
 

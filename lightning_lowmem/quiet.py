@@ -3,7 +3,8 @@
 Importing torchao on a CPU build logs ``Failed to load .../_C_mxfp8...so`` for each CUDA kernel library it ships,
 and its enums make torch log ``register_constant() on Enum subclasses is deprecated`` (``torch.utils._pytree``);
 transformers imports torchao when it is installed. Importing bitsandbytes on a CPU with AVX-512 BF16 logs that the
-optional ``kernels`` package is missing. None of it changes what a load does.
+optional ``kernels`` package is missing. None of it changes what a load does. bitsandbytes' int8 matmul says that
+it casts bf16 inputs to fp16 on every call (2,400 lines for 50 tokens of pythia-160m): that is told once.
 
 The filter is scoped twice: to those loggers and those messages only (every other record of theirs passes), and
 to the time this library is at work (:func:`quiet` as a context manager, :func:`quietly` as a decorator). Nothing
@@ -29,6 +30,11 @@ NOISE: dict[str, tuple[str, ...]] = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
 }
 """Logger name -> the start of each message (the record's unformatted ``msg``) dropped from it."""
+ONCE: dict[str, tuple[str, ...]] = {
+    # bitsandbytes' int8 matmul casts bf16 inputs to fp16 and says so on every call: once per layer per token
+    "bitsandbytes.autograd._functions": ("MatMul8bitLt: inputs will be cast",),
+}
+"""Logger name -> the start of each message told once per :func:`quiet` block (the outermost), its repeats dropped."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -45,14 +51,41 @@ class _Drop(logging.Filter):
         return not str(record.msg).startswith(self.starts)
 
 
-_FILTERS = {name: _Drop(starts) for name, starts in NOISE.items()}
+class _Once(logging.Filter):
+    """Passes the first of a logger's records whose message starts with one of ``starts``, drops its repeats (every
+    other record passes); :meth:`reset` forgets what was seen."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.starts):
+            return True
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+    def reset(self) -> None:
+        self.seen.clear()
+
+
+_FILTERS: dict[str, list[logging.Filter]] = {}
+for _name, _starts in NOISE.items():
+    _FILTERS.setdefault(_name, []).append(_Drop(_starts))
+for _name, _starts in ONCE.items():
+    _FILTERS.setdefault(_name, []).append(_Once(_starts))
 _LOCK = threading.Lock()
 _DEPTH = 0  # nested quiet() blocks (a face calling another): the filters leave with the outermost
 
 
 @contextmanager
 def quiet() -> Iterator[None]:
-    """Drop :data:`NOISE` from its loggers inside the block; every other message passes.
+    """Drop :data:`NOISE` from its loggers inside the block, and tell each of :data:`ONCE` once; every other message
+    passes.
 
     Example::
 
@@ -65,8 +98,9 @@ def quiet() -> Iterator[None]:
     global _DEPTH
     with _LOCK:
         if _DEPTH == 0:
-            for name, drop in _FILTERS.items():
-                logging.getLogger(name).addFilter(drop)
+            for name, filters in _FILTERS.items():
+                for one in filters:
+                    logging.getLogger(name).addFilter(one)
         _DEPTH += 1
     try:
         yield
@@ -74,8 +108,11 @@ def quiet() -> Iterator[None]:
         with _LOCK:
             _DEPTH -= 1
             if _DEPTH == 0:
-                for name, drop in _FILTERS.items():
-                    logging.getLogger(name).removeFilter(drop)
+                for name, filters in _FILTERS.items():
+                    for one in filters:
+                        logging.getLogger(name).removeFilter(one)
+                        if isinstance(one, _Once):
+                            one.reset()
 
 
 def quietly(function: Callable[P, R]) -> Callable[P, R]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
+    CHECKPOINT_HELP,
     add_checkpoint,
     add_compile,
     add_load,
@@ -35,7 +36,7 @@ EPILOG = """example:
   lightning-lowmem chat checkpoints/meta-llama/Llama-3.2-1B-Instruct --quantize bnb.nf4
   printf 'What do llamas eat?\\n\\n' | lightning-lowmem chat my-model --top_k 1   # scripted
 
-""" + EXIT_CODES
+""" + exit_codes("chat")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "request. An empty prompt ends the chat (with --multiline: '!submit' ends a prompt, "
                     "'!quit' the chat). Needs a tokenizer in the directory.",
         epilog=EPILOG)
-    add_checkpoint(parser, "the checkpoint directory")
+    add_checkpoint(parser, CHECKPOINT_HELP)
     add_sampling(parser)
     add_load(parser)
     add_compile(parser)
@@ -122,7 +123,7 @@ def _prompt_style(found: Any) -> Any:
     """The directory's prompt style, a GGUF file's own chat template, or litgpt's for the config's name."""
     from lightning_lowmem.cli.prompts import prompt_style_for
 
-    return prompt_style_for(found.directory, found.config, found.gguf)
+    return prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer)
 
 
 def _seed() -> None:

@@ -16,6 +16,7 @@ from lightning_lowmem.cli.exits import (
     print_interrupted,
 )
 from lightning_lowmem.cli.options import resolve_checkpoint
+from lightning_lowmem.interrupts import interrupted, running
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.quiet import quiet
 
@@ -64,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print_interrupted()
         return EXIT_INTERRUPTED
+    except Exception:
+        if interrupted():  # an error an interrupted import made of the KeyboardInterrupt (numpy: RecursionError)
+            print_interrupted()
+            return EXIT_INTERRUPTED
+        raise
 
 
 def _main(argv: list[str] | None) -> int:
@@ -80,6 +86,7 @@ def _main(argv: list[str] | None) -> int:
     except ImportError as e:
         print_error(e)
         return EXIT_CHECKPOINT
+    running()  # Ctrl-C from here on: KeyboardInterrupt, so that a save cleans up (lightning_lowmem/interrupts.py)
     try:
         if hasattr(args, "checkpoint_flag"):  # a subcommand taking CHECKPOINT or --checkpoint_dir
             resolve_checkpoint(args, args.parser)
@@ -88,7 +95,7 @@ def _main(argv: list[str] | None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_ARGUMENT
     except Exception as e:  # noqa: BLE001  (each known error is one line and an exit code; others are bugs)
         code = exit_code(e)
-        if code is None:
+        if code is None or interrupted():
             raise
         print_error(e, flags_of(args.parser))
         return code

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
     add_config,
+    add_quantize,
     add_subcommand,
     add_weights,
     bandwidth,
@@ -16,15 +17,14 @@ from lightning_lowmem.cli.options import (
     positive_int,
 )
 from lightning_lowmem.dtypes import precision_dtype
-from lightning_lowmem.quantize import SCHEMES
 
 EPILOG = """example:
   lightning-lowmem estimate checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --max_seq_length 114
   lightning-lowmem estimate pythia-1b --max_memory cuda:0=600MiB,cpu=8GiB --max_seq_length 2048 --json
-  lightning-lowmem estimate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload \
+  lightning-lowmem estimate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload \\
       --max_seq_length 128
 
-""" + EXIT_CODES
+""" + exit_codes("estimate")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog=EPILOG)
     parser.add_argument("checkpoint", metavar="CHECKPOINT_OR_LITGPT_NAME",
                         help="a checkpoint file or directory, or a litgpt model name (pythia-1b)")
-    parser.add_argument("--quantize", default=None, metavar="SCHEME", help=f"one of {', '.join(SCHEMES)}")
+    add_quantize(parser, "the scheme the load would quantize with")
     parser.add_argument("--precision", default="bf16-true",
                         help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
     parser.add_argument("--max_seq_length", type=positive_int, default=None,

@@ -21,20 +21,67 @@ import sys
 from collections.abc import Mapping
 
 from lightning_lowmem.errors import LowMemError, UnsupportedQuantizationError
+from lightning_lowmem.interrupts import EXIT_INTERRUPTED, LINE  # noqa: F401  (EXIT_INTERRUPTED: the command's)
 
 EXIT_OK = 0
 EXIT_CHECKPOINT = 1
 EXIT_ARGUMENT = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
-EXIT_CODES = """exit codes:
-  0  done
-  1  a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot be read),
-     a memory budget or a device error, or --out cannot be written (not writable, too little free space,
-     weight files it did not write)
-  2  a bad argument (a flag, a quantization scheme, a prompt the checkpoint cannot take, or no litgpt config
-     found: pass --config)
-  130 interrupted (Ctrl-C): nothing half-written is left behind"""
+_ONE = {  # what exit code 1 stands for, by what a subcommand does
+    "checkpoint": "a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot "
+                  "be read)",
+    "budget": "a memory budget that cannot hold the model (--max_memory)",
+    "device": "a device that is not there (--device)",
+    "out": "--out cannot be written (not writable, too little free space, weight files it did not write)",
+}
+_TWO = {
+    "flags": "a flag argparse refuses",
+    "scheme": "an unknown quantization scheme (--quantize)",
+    "prompt": "a prompt the checkpoint cannot take",
+    "config": "no litgpt config found (pass --config)",
+}
+_WHAT = {  # subcommand -> (its reasons for 1, its reasons for 2, what an interrupt leaves)
+    None: (("checkpoint", "budget", "device", "out"), ("flags", "scheme", "prompt", "config"),
+           "nothing half-written is left behind"),
+    "estimate": (("checkpoint", "budget"), ("flags", "scheme", "config"), "nothing was written"),
+    "inspect": (("checkpoint",), ("flags", "config"), "nothing was written"),
+    "generate": (("checkpoint", "budget", "device"), ("flags", "scheme", "prompt", "config"), "nothing was written"),
+    "chat": (("checkpoint", "budget", "device"), ("flags", "scheme", "config"), "nothing was written"),
+    "quantize": (("checkpoint", "device", "out"), ("flags", "scheme", "config"),
+                 "--out holds the old copy or none, never a half-written one"),
+}
+
+
+def exit_codes(command: str | None = None) -> str:
+    """The ``exit codes:`` paragraph of ``command``'s ``--help`` (``None``: the top-level command's, every code).
+
+    Example::
+
+        >>> print(exit_codes("inspect"))  # doctest: +NORMALIZE_WHITESPACE
+        exit codes:
+          0   done
+          1   a checkpoint error (missing, unreadable, or not fitting its config; a config file that cannot be read)
+          2   a bad argument: a flag argparse refuses, or no litgpt config found (pass --config)
+          130 interrupted (Ctrl-C): nothing was written
+    """
+    ones, twos, interrupted = _WHAT[command]
+    return "\n".join(["exit codes:", "  0   done", _wrapped("  1   ", _listed([_ONE[k] for k in ones])),
+                      _wrapped("  2   ", "a bad argument: " + _listed([_TWO[k] for k in twos])),
+                      f"  130 interrupted (Ctrl-C): {interrupted}"])
+
+
+def _listed(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", or " + items[-1]
+
+
+def _wrapped(first: str, text: str, width: int = 110) -> str:
+    import textwrap
+
+    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=" " * len(first))
+
+
+EXIT_CODES = exit_codes()
+"""The top-level command's paragraph (every code)."""
 
 
 def exit_code(error: BaseException) -> int | None:
@@ -95,4 +142,4 @@ def print_error(error: BaseException, flags: Mapping[str, tuple[str, str]] | Non
 
 def print_interrupted() -> None:
     """The one line a Ctrl-C leaves on stderr."""
-    print("interrupted (Ctrl-C): stopped; nothing half-written was left behind", file=sys.stderr)
+    print(LINE, file=sys.stderr)

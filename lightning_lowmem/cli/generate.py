@@ -15,8 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_lowmem.cli.exits import EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
+    CHECKPOINT_HELP,
     add_checkpoint,
     add_compile,
     add_load,
@@ -36,7 +37,7 @@ EPILOG = """example:
   lightning-lowmem generate my-model --prompt "1 2 3"     # a directory without a tokenizer takes token ids
   lightning-lowmem generate checkpoints/EleutherAI/pythia-1.4b --max_memory cpu=1GiB --disk_offload
 
-""" + EXIT_CODES
+""" + exit_codes("generate")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "The checkpoint is a litgpt directory (lit_model.pth + model_config.yaml), an HF one "
                     "(model.safetensors + config.json), or a .gguf file (config and tokenizer from the file).",
         epilog=EPILOG)
-    add_checkpoint(parser, "the checkpoint directory")
+    add_checkpoint(parser, CHECKPOINT_HELP)
     parser.add_argument("--prompt", default="What food do llamas eat?",
                         help="the prompt; token ids ('1 2 3') when the directory has no tokenizer")
     parser.add_argument("--sys_prompt", default=None, help="the system prompt the prompt style puts in")
@@ -66,12 +67,8 @@ def run(args: argparse.Namespace) -> int:
     check_budgets(args, args.parser)
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights,
                                   verify=args.verify_weight_sets)
-    prompt = args.prompt
-    if found.tokenizer is not None:  # a text prompt: styled as litgpt styles it
-        from lightning_lowmem.cli.prompts import prompt_style_for
-
-        prompt = prompt_style_for(found.directory, found.config, found.gguf).apply(prompt, sys_prompt=args.sys_prompt)
-    result = generate(found, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+    result = generate(found, args.prompt, sys_prompt=args.sys_prompt,  # styled as litgpt styles it, by generate()
+                      max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
                       num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),
                       max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED,

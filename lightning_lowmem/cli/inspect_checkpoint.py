@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_lowmem.cli.exits import EXIT_CHECKPOINT, EXIT_CODES, EXIT_OK
+from lightning_lowmem.cli.exits import EXIT_CHECKPOINT, EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import add_checkpoint, add_config, add_subcommand, config_argument
 from lightning_lowmem.engine import Source
 from lightning_lowmem.errors import LowMemError
@@ -26,7 +26,7 @@ EPILOG = """example:
   lightning-lowmem inspect checkpoints/EleutherAI/pythia-1b
   lightning-lowmem inspect model.safetensors --config pythia-1b --json
 
-""" + EXIT_CODES
+""" + exit_codes("inspect")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

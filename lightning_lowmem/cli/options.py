@@ -19,6 +19,10 @@ def add_subcommand(subparsers: argparse._SubParsersAction, name: str, *, summary
                                  epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+CHECKPOINT_HELP = ("a checkpoint directory (litgpt's lit_model.pth + model_config.yaml, or an HF model.safetensors + "
+                   "config.json), or one file: a .gguf file, a lit_model.pth, a .safetensors")
+
+
 def add_checkpoint(parser: argparse.ArgumentParser, what: str) -> None:
     """The checkpoint as a positional argument, or as ``--checkpoint_dir`` (litgpt's flag)."""
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help=what)
@@ -56,8 +60,7 @@ def add_config(parser: argparse.ArgumentParser) -> None:
 
 def add_load(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
     """``--quantize``, ``--precision`` (litgpt's), ``--config`` and ``--device``."""
-    parser.add_argument("--quantize", default=None, metavar="SCHEME",
-                        help=f"quantize each Linear as it is loaded: {', '.join(SCHEMES)}")
+    add_quantize(parser, "quantize each Linear as it is loaded")
     parser.add_argument("--precision", default=None, metavar="PRECISION",
                         help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
     add_config(parser)
@@ -66,6 +69,24 @@ def add_load(parser: argparse.ArgumentParser, *, device: bool = True) -> None:
                             help="where the model runs: cpu, cuda, cuda:1; default: cuda when there is one, "
                                  "else cpu (as litgpt)")
         add_budgets(parser)
+
+
+def add_quantize(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--quantize SCHEME``; ``None`` (any case) or ``null`` is no scheme, as litgpt's ``--quantize`` takes it."""
+    parser.add_argument("--quantize", type=scheme_name, default=None, metavar="SCHEME",
+                        help=f"{what}: {', '.join(SCHEMES)}; default: None (full precision)")
+
+
+def scheme_name(text: str) -> str | None:
+    """A ``--quantize`` value: None for ``none`` / ``None`` / ``null``, else the scheme's name as given (checked by
+    the load, which names the known ones).
+
+    Example::
+
+        >>> scheme_name("None"), scheme_name("bnb.nf4")
+        (None, 'bnb.nf4')
+    """
+    return None if text.strip().lower() in ("none", "null") else text
 
 
 def add_budgets(parser: argparse.ArgumentParser) -> None:

@@ -77,6 +77,26 @@ class LoadReport:
     source: str = ""
     conversion: str = ""
 
+    def summary(self) -> str:
+        """The load in one line: what was read, the bytes, the time and the peak (what the Lightning faces log).
+
+        Example::
+
+            >>> from lightning_lowmem.memory import MemoryUsage
+            >>> LoadReport([Path("lit_model.pth")], tensors=76, bytes_read=2**30, bytes_loaded=2**29, seconds=1.5,
+            ...            memory=MemoryUsage(rss_start=2**30, rss_peak=2**30 + 2**29)).summary()
+            'loaded 76 tensors from lit_model.pth: 1.00 GiB read, 512.00 MiB in the model, 1.50 s, peak RSS +512.00 MiB'
+        """
+        where = format_names((p.name for p in self.files), limit=3, quote=False)
+        schemes = sorted(set(self.quantized.values()))
+        how = f" ({', '.join(schemes)})" if schemes else ""
+        read = "mapped, not read" if self.mapped else f"{format_bytes(self.bytes_read)} read"
+        line = (f"loaded {self.tensors} tensors from {where}{how}: {read}, {format_bytes(self.bytes_loaded)} in the "
+                f"model, {self.seconds:.2f} s, peak RSS +{format_bytes(self.memory.rss_peak_delta)}")
+        if self.memory.device_peak is not None:
+            line += f", {self.memory.device} peak +{format_bytes(self.memory.device_peak_delta or 0)}"
+        return line
+
     def __str__(self) -> str:
         where = format_names((p.name for p in self.files), limit=3, quote=False)
         lines = [

@@ -117,7 +117,7 @@ def by_rows_nbytes(target: Target, blocks: int = 1) -> int:
     beyond the final tensors from run to run, where one block's allowance gave 19 MiB)."""
     per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
     working = int(min(target.record.numel, blocks * CHUNK_ELEMENTS) * per_element)
-    return working + TRIM_AT
+    return working + freed_heap(target)
 
 
 def row_blocks(target: Target) -> int:
@@ -131,4 +131,11 @@ def quantized_nbytes(target: Target, held: int) -> int:
     cast = target.cast_nbytes
     if target.scheme.by_rows:  # quantized a block of rows of the whole cast tensor at a time
         return held + cast + by_rows_nbytes(target)
-    return max(held + cast, cast + int(target.scheme.transient * target.record.numel))
+    return max(held + cast, cast + int(target.scheme.transient * target.record.numel)) + freed_heap(target)
+
+
+def freed_heap(target: Target) -> int:
+    """The freed heap a quantized weight may find resident: the earlier weights' temporaries, handed back only once
+    ``TRIM_AT`` bytes are free (``Quantizer.load``); 0 for a target not quantized. Whether they are resident when
+    this one is quantized cannot be known before the load: the bound."""
+    return TRIM_AT if target.scheme is not None else 0

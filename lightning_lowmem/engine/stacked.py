@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode, row_blocks
+from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode, freed_heap, row_blocks
 from lightning_lowmem.plan import Target
 from lightning_lowmem.quantize.rows import RowSource
 
@@ -71,7 +71,7 @@ class Stacked(Route):
         held = self.largest_piece if _copied(target) else 0
         if target.scheme is not None:  # quantized whole (a scheme that does not work by rows)
             cast = target.cast_nbytes
-            held = max(cast + held, cast + int(target.scheme.transient * target.record.numel))
+            held = max(cast + held, cast + int(target.scheme.transient * target.record.numel)) + freed_heap(target)
         return held + decode(target)
 
     @property

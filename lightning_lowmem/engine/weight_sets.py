@@ -98,9 +98,7 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
         return Choice(stack.enter_context(Checkpoint.open(path)), path, f"{path}: the file given")
     sets = candidate_sets(path, prefer)
     if len(sets) == 1:
-        note = f" (prefer={prefer!r})" if prefer else ""
-        return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path,
-                      f"{sets[0].path}: the only weights in {path}{note}")
+        return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path, one_set_why(path, sets[0], prefer))
     opened = _open_sets(path, sets, stack)
     if len(opened) == 1:
         (weight_set, ckpt), = opened.items()
@@ -179,6 +177,15 @@ def candidate_sets(directory: Path, prefer: str | None = None) -> list[WeightSet
             raise type(e)(f"{e} Or read another weight set of {directory}: prefer={readable[0]!r} (command line: "
                           f"--weights {readable[0]}).") from e
     return sets
+
+
+def one_set_why(directory: Path, chosen: WeightSet, prefer: str | None) -> str:
+    """Why ``chosen``, the one set :func:`candidate_sets` left: the only weights in ``directory``, or the one ``prefer``
+    asked for among several."""
+    count = len(weight_sets(directory)) if prefer is not None else 1
+    if count == 1:
+        return f"{chosen.path}: the only weights in {directory}"
+    return f"{chosen.path}: chosen as asked ({prefer!r}) among the {count} weight sets in {directory}"
 
 
 def _kind(weight_set: WeightSet) -> str:

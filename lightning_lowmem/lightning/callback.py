@@ -26,7 +26,7 @@ from torch import nn
 
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.errors import CheckpointMismatchError, CheckpointNotFoundError, format_names
-from lightning_lowmem.lightning.load import LightningLoader
+from lightning_lowmem.lightning.load import TRAINER_LOG, LightningLoader
 from lightning_lowmem.lightning.state import module_to_device_skipping_meta
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.meta import has_meta, init_empty
@@ -81,7 +81,8 @@ class LowMemCallback(pl.Callback):
         self.checkpoint = checkpoint
         self.loader = LightningLoader(LoadOptions.merge(
             options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict, key_map=key_map,
-            progress=progress, max_memory=max_memory, disk_offload=disk_offload, context=context))
+            progress=progress, max_memory=max_memory, disk_offload=disk_offload, context=context),
+            logger=TRAINER_LOG, face=type(self).__name__)
         self.save_frozen = save_frozen
         self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._frozen: set[str] = set()  # frozen parameters (and quantized modules) that came from `checkpoint`

@@ -36,7 +36,7 @@ from lightning_lowmem.engine import LoadOptions, LoadReport, allocate_shards, qu
 from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
-from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
+from lightning_lowmem.lightning.load import FABRIC_LOG, LightningLoader, LoaderOwner
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import architecture_of, shard_model
 from lightning_lowmem.plan import Combine, KeyMap
@@ -105,7 +105,7 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
             raise ValueError("LowMemFSDPStrategy shards the model across ranks; max_memory (offload) is not "
                              "supported with it. Leave max_memory unset, or use strategy='lowmem' on one device.")
         self._default_layout = parallelize_fn is None
-        self.loader = LightningLoader(options, init_added=init_added)
+        self.loader = LightningLoader(options, init_added=init_added, logger=FABRIC_LOG, face=type(self).__name__)
 
     @override
     def setup_environment(self) -> None:

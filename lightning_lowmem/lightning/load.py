@@ -41,6 +41,12 @@ from lightning_lowmem.plan import LoadPlan
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 log = logging.getLogger(__name__)
+TRAINER_LOG = logging.getLogger("lightning.pytorch.callbacks.lowmem")
+"""The callback's line: under ``lightning.pytorch``, shown as the Trainer's own lines ("GPU available: ...") and quieted
+with them, ``logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)``."""
+FABRIC_LOG = logging.getLogger("lightning.fabric.strategies.lowmem")
+"""The strategies' line: under ``lightning.fabric``, shown as Fabric's own lines and quieted with them,
+``logging.getLogger("lightning.fabric").setLevel(logging.WARNING)``."""
 
 
 class LightningLoader:
@@ -49,11 +55,17 @@ class LightningLoader:
     Args:
         options: the face's :class:`~lightning_lowmem.LoadOptions`, built once from its keyword arguments.
         init_added: initialize trainable parameters the checkpoint lacks (adapters); False: an error.
+        logger: where each load's line goes (:meth:`~lightning_lowmem.LoadReport.summary`, on rank 0): a logger
+            under Lightning's own (:data:`TRAINER_LOG`, :data:`FABRIC_LOG`), so that it shows as Lightning's lines
+            show and the switch that quiets those quiets it; None: no line.
+        face: the name the line starts with (``"LowMemCallback"``).
     """
 
-    def __init__(self, options: LoadOptions, init_added: bool = True) -> None:
+    def __init__(self, options: LoadOptions, init_added: bool = True, logger: logging.Logger | None = None,
+                 face: str = "") -> None:
         self.options = options
         self.init_added = init_added
+        self.logger, self.face = logger, face
         self.reports: list[LoadReport] = []
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
@@ -92,6 +104,8 @@ class LightningLoader:
         report = load_into(module, checkpoint, options, device=device, strict=strict, init_added=self.init_added,
                            unfilled=unfilled)
         self.reports.append(report)
+        if self.logger is not None and report.rank == 0:
+            self.logger.info("%s: %s", self.face, report.summary())
         remap_optimizer_params([*self._optimizers, *optimizers], before,
                                dict(module.named_parameters(remove_duplicate=False)))
         return report

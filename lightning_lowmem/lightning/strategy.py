@@ -38,7 +38,7 @@ from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.saving import module_state
 from lightning_lowmem.saving.atomic_file import replace_file
-from lightning_lowmem.lightning.load import LightningLoader, LoaderOwner
+from lightning_lowmem.lightning.load import FABRIC_LOG, LightningLoader, LoaderOwner
 from lightning_lowmem.lightning.state import (
     module_to_device_skipping_meta,
     other_entries,
@@ -138,7 +138,7 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
         device = indexed(device) if device is not None else None
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision=precision)
-        self.loader = LightningLoader(options, init_added=init_added)
+        self.loader = LightningLoader(options, init_added=init_added, logger=FABRIC_LOG, face=type(self).__name__)
         self._parallel_devices: list[torch.device] | None = [torch.device(device)] if device is not None else None
 
     @property

@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
-from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set
+from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
@@ -38,6 +38,7 @@ from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_so
 from lightning_lowmem.litgpt.architecture import LITGPT
 from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
+from lightning_lowmem.litgpt.prompt_style import has_chat_template_style
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.meta import init_empty
@@ -131,7 +132,7 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None, verify: 
         return path, f"{path}: the file given"
     sets = candidate_sets(path, prefer)
     if len(sets) == 1:
-        return sets[0].path, f"{sets[0].path}: the only weights in {path}"
+        return sets[0].path, one_set_why(path, sets[0], prefer)
     config = config or _directory_config(path, required=False)[0]
     if config is not None:
         _check_fits(config, sets[0].path)  # before a model is built from it to compare the sets
@@ -290,6 +291,10 @@ def has_tokenizer(directory: Path) -> bool:
 def _tokenizer(directory: Path) -> Any | None:
     if not has_tokenizer(directory):
         return None
+    if has_chat_template_style(directory):  # a GGUF file's tokenizer and chat template, written out by `quantize`
+        from lightning_lowmem.litgpt.gguf_tokenizer import read_tokenizer
+
+        return read_tokenizer(directory)
     Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="Reading a checkpoint's tokenizer").Tokenizer
 
     return Tokenizer(directory)

@@ -31,6 +31,7 @@ from lightning_lowmem.engine import (
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
+from lightning_lowmem.litgpt.gguf import GGUF_IMPORT_BYTES
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.formats.read_speed import measure_read_speed
@@ -113,10 +114,15 @@ def estimate_memory(
         options = LoadOptions.merge(options, context=length or None)
         prepared = prepare_load(model, source, options, check_keys=False)
         note = _read_bandwidth(prepared.placement, source, read_bandwidth)
+        reads_gguf = source.checkpoint is not None and source.checkpoint.gguf is not None
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
                             with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme))
     est.tokenizer = tokenizer
+    if is_litgpt and reads_gguf:
+        est.imports = GGUF_IMPORT_BYTES
+        est.notes.append("upper bound: the imports a GGUF load into litgpt's model does (transformers' model classes, "
+                         f"{format_bytes(GGUF_IMPORT_BYTES)}; nothing where the process imported them already)")
     if not is_litgpt:
         built = f"the {name} its config.json describes (transformers), built on meta" if hasattr(model, "config") \
             else "Linear layers guessed from key names and shapes"

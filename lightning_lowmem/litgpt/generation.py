@@ -27,12 +27,14 @@ from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.prompt_style import styled_prompt
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.placement import MaxMemory
 from lightning_lowmem.quantize import module_nbytes
 from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
+from lightning_lowmem.quiet import quietly
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +175,7 @@ def encode_prompt(prompt: str | list[int] | torch.Tensor, tokenizer: Any | None,
     return ids.to(device)
 
 
+@quietly  # third-party noise, and bitsandbytes' int8 cast message once instead of once per layer per token
 def generate(
     checkpoint: str | Path | LitgptCheckpoint | nn.Module,
     prompt: str | list[int] | torch.Tensor,
@@ -192,6 +195,8 @@ def generate(
     max_memory: MaxMemory | None = None,
     disk_offload: bool | None = None,
     compile: bool = False,
+    sys_prompt: str | None = None,
+    prompt_style: Any = "auto",
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
 
@@ -201,8 +206,9 @@ def generate(
             name or its ``config.json``), a ``.gguf`` file or a directory holding one (config and tokenizer
             from the file), what :meth:`LitgptCheckpoint.find` found in one, or an already loaded litgpt ``GPT``.
         prompt: text (needs a tokenizer in the directory or the GGUF file), or token ids (list, tensor, or
-            ``'1 2 3'``). It is encoded, and prompt + ``max_new_tokens`` checked against the block size, before
-            any weight is read.
+            ``'1 2 3'``). Text is put in the checkpoint's prompt style first, as ``lightning-lowmem generate``
+            and ``litgpt generate`` do (``prompt_style``). It is encoded, and prompt + ``max_new_tokens`` checked
+            against the block size, before any weight is read.
         options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
             ``precision`` override its fields.
         max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
@@ -223,6 +229,11 @@ def generate(
             CUDA), for caches of any length: the first sample pays the compile, requests of other lengths reuse it,
             the tokens and the caches' bytes are those without compile. Layers offloaded or on disk decode
             without compile, with a warning (see ``lightning_lowmem/litgpt/compiled.py``).
+        sys_prompt: the system prompt the prompt style puts in (``--sys_prompt``).
+        prompt_style: ``"auto"``: the checkpoint's, as the command line finds it (its ``prompt_style.yaml``, a
+            GGUF file's chat template, else litgpt's style for the config's name;
+            :mod:`~lightning_lowmem.litgpt.prompt_style`); None: the text as given; a litgpt style's name
+            (``"alpaca"``) or a ``litgpt.prompts.PromptStyle``. Token ids are never styled.
 
     Returns:
         A :class:`GenerateResult`: tokens, texts, timings and a memory summary.
@@ -249,6 +260,9 @@ def generate(
         log.warning(note)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
+    if isinstance(prompt, str) and tokenizer is not None and prompt_style is not None:
+        config = found.config if found is not None else getattr(unwrap_model(checkpoint), "config", None)
+        prompt = styled_prompt(prompt, prompt_style, found, config, sys_prompt)
     ids = encode_prompt(prompt, tokenizer, torch.device("cpu"))  # a prompt that cannot be encoded fails before any read
     if found is not None:
         check_length(ids.numel() + max_new_tokens, found.config.block_size)

@@ -104,7 +104,52 @@ def _litgpt_tokenizer(fast: Any, settings: dict[str, Any], name: str) -> GGUFTok
         (Path(directory) / "tokenizer_config.json").write_text(json.dumps(settings))
         tokenizer = GGUFTokenizer(directory)
     tokenizer.model_name = name
+    tokenizer.settings = dict(settings)
     return tokenizer
+
+
+def write_tokenizer(tokenizer: GGUFTokenizer, directory: Path, chat_template: str | None = None) -> list[Path]:
+    """A GGUF file's tokenizer as files in ``directory`` that litgpt's ``Tokenizer`` and transformers'
+    ``AutoTokenizer`` read: ``tokenizer.json`` (the vocabulary as built), ``tokenizer_config.json`` (its special
+    tokens, ``add_bos_token`` and ``chat_template``), ``generation_config.json`` (its end-of-turn ids as
+    ``eos_token_id``). :func:`read_tokenizer` reads them back as the same tokenizer. Returns the files written."""
+    tokenizer.processor.save(str(directory / "tokenizer.json"))
+    config = {**tokenizer.special_tokens, **tokenizer.settings}
+    if chat_template:
+        config["chat_template"] = chat_template
+    files = {"tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    if tokenizer.end_of_turn:
+        stops = list(tokenizer.end_of_turn)
+        files["generation_config.json"] = json.dumps({"bos_token_id": tokenizer.bos_id,
+                                                      "eos_token_id": stops[0] if len(stops) == 1 else stops})
+    for name, text in files.items():
+        (directory / name).write_text(text + ("" if text.endswith("\n") else "\n"), encoding="utf-8")
+    return [directory / name for name in ("tokenizer.json", *files)]
+
+
+def read_tokenizer(directory: Path) -> GGUFTokenizer:
+    """The tokenizer :func:`write_tokenizer` wrote into ``directory``, as it was: litgpt's ``Tokenizer`` of the
+    files, its BOS added as ``add_bos_token`` says (not as litgpt guesses from the directory's name), with the
+    special and end-of-turn tokens a chat template needs."""
+    tokenizer = GGUFTokenizer(directory)
+    settings = _json(directory / "tokenizer_config.json")
+    tokenizer.settings = {k: v for k, v in settings.items() if k in ("bos_token", "eos_token", "add_bos_token",
+                                                                      "tokenizer_class")}
+    if isinstance(settings.get("add_bos_token"), bool):
+        tokenizer.use_bos = settings["add_bos_token"]
+    tokenizer.special_tokens = {f"{name}_token": settings[f"{name}_token"] for name in SPECIAL_TOKENS
+                                if isinstance(settings.get(f"{name}_token"), str)}
+    stops = _json(directory / "generation_config.json").get("eos_token_id", tokenizer.eos_id)
+    tokenizer.end_of_turn = tuple(i for i in (stops if isinstance(stops, list) else [stops]) if isinstance(i, int))
+    return tokenizer
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 class GGUFTokenizer(Tokenizer):
@@ -113,10 +158,12 @@ class GGUFTokenizer(Tokenizer):
     Attributes:
         special_tokens: ``{"bos_token": "<s>", ...}``: the file's special tokens, for a chat template.
         end_of_turn: ids that end a reply (the file's EOS, end-of-turn and end-of-message tokens).
+        settings: what its ``tokenizer_config.json`` says (BOS and EOS tokens, ``add_bos_token``, class).
     """
 
     special_tokens: dict[str, str]
     end_of_turn: tuple[int, ...] = ()
+    settings: dict[str, Any]
 
     def encode(self, string: str, device: torch.device | None = None, bos: bool | None = None, eos: bool = False,
                max_length: int = -1) -> torch.Tensor:

@@ -93,6 +93,9 @@ class QuantScheme:
     beyond its input and its result (measured on CPU, see the scheme's module)."""
     library_bytes: ClassVar[int] = 0
     """What importing the scheme's library and its first kernel call add to the process (CPU, measured)."""
+    library_import_bytes: ClassVar[int] = 0
+    """The part of :attr:`library_bytes` a load already holds: importing the library (its first forward adds the
+    rest)."""
     first_forward: ClassVar[float] = 2.0
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import subprocess
 import sys
@@ -115,6 +116,46 @@ def test_ctrl_c_during_a_load_is_one_line_and_exit_130(peak_model_dir, child_env
                                                        "left behind"
         assert proc.stderr.count("interrupted") == 1
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def _interrupt_once_loaded(command: list[str], library: str, env: dict) -> subprocess.CompletedProcess:
+    """``command`` in a fresh process, sent SIGINT as soon as ``library`` (a shared object's name) is mapped into it:
+    in the middle of the imports that load it."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "lightning_lowmem", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if library in Path(f"/proc/{proc.pid}/maps").read_text():
+                    break
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the command ended before it loaded {library}"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc to see what the command has loaded")
+@pytest.mark.parametrize("library", ["_multiarray_umath", "libtorch_cpu", "_flapack"],
+                         ids=["numpy", "torch", "scipy (under litgpt)"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_exit_130(child_env, library):
+    """A real SIGINT while numpy, torch (the package's own imports) or litgpt's (scipy, under the command's
+    import of litgpt) load: the one line and 130, no traceback and no other error (numpy made a RecursionError of
+    one)."""
+    from lightning_lowmem.interrupts import LINE
+
+    proc = _interrupt_once_loaded(["estimate", "pythia-14m", "--max_seq_length", "64"], library, child_env)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, LINE + "\n", "")
 
 
 NOISE = ("Failed to load", "_pytree", "register_constant", "No module named 'kernels'", "Detected no triton")

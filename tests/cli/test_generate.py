@@ -131,3 +131,33 @@ def test_compile_flag_as_litgpt_spells_it(flags, value):
 def test_a_compile_value_that_is_not_a_bool_is_exit_2(capsys):
     assert main(["generate", "ckpt", "--compile", "maybe"]) == 2
     assert "expected true or false, got 'maybe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["gguf_chat_model", "chat_model_dir"], ids=["gguf-chat-template", "alpaca-yaml"])
+def test_the_api_and_the_command_give_one_request_the_same_tokens(request, monkeypatch, capsys, where):
+    """generate() styles a text prompt as the command does (a GGUF file's chat template; a directory's
+    prompt_style.yaml), with the command's defaults: the same tokens for one request. prompt_style=None sends the
+    text as given."""
+    import litgpt.generate.base
+
+    from lightning_lowmem import generate
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
+
+    checkpoint = request.getfixturevalue(where)
+    question = "What is the capital of France?" if where == "gguf_chat_model" else PROMPT
+    outputs, real = [], litgpt.generate.base.generate
+
+    def spy(model, prompt, *args, **kwargs):
+        outputs.append(real(model, prompt, *args, **kwargs).tolist())
+        return torch.tensor(outputs[-1])
+
+    monkeypatch.setattr(litgpt.generate.base, "generate", spy)
+    assert main(["generate", str(checkpoint), "--prompt", question, "--sys_prompt", "Be brief.",
+                 "--max_new_tokens", "8", "--device", "cpu"]) == 0  # sampled (litgpt's defaults), seed 1234
+    command = outputs[-1]
+    api = generate(checkpoint, question, sys_prompt="Be brief.", max_new_tokens=8)
+    assert api.tokens[0].tolist() == command and api.texts[0] in capsys.readouterr().out
+    raw = generate(checkpoint, question, max_new_tokens=2, prompt_style=None)
+    tokenizer = LitgptCheckpoint.find(checkpoint).tokenizer
+    assert raw.tokens[0][:raw.prompt_length].tolist() == tokenizer.encode(question).tolist() != \
+        command[:api.prompt_length]

@@ -233,3 +233,16 @@ def test_a_transformers_checkpoint_missing_a_tensor_does_not_match(run_cli, tmp_
     assert proc.returncode == 1 and "config      transformers 'BertModel' (from config.json): does not match" \
         in proc.stdout
     assert "encoder.layer.1.output.dense.weight" in proc.stderr
+
+
+def test_a_set_picked_by_weights_is_said_to_be_picked_among_the_sets(tmp_path, tiny_config, write_litgpt_dir, capsys):
+    """A directory of two different weight sets, one named by --weights: not "the only weights" in it."""
+    from safetensors.torch import save_file
+
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), torch.bfloat16, tokenizer=False)
+    save_file({k: v.float() for k, v in torch.load(directory / "lit_model.pth").items()},
+              directory / "model.safetensors")
+    assert main(["inspect", str(directory), "--weights", "model.safetensors"]) == 0
+    out = capsys.readouterr().out
+    assert f"{directory / 'model.safetensors'}: chosen as asked ('model.safetensors') among the 2 weight sets in " \
+           f"{directory}" in out and "the only weights" not in out, out

@@ -173,3 +173,44 @@ def test_weight_files_it_did_not_write_in_out_stop_it_before_any_read_unless_ove
 
     assert main(["quantize", str(chat_model_dir), "--out", str(out), "--device", "cpu", "--overwrite"]) == 0
     assert not (out / "lit_model.pth").exists() and (out / "model.safetensors").is_file()
+
+
+def test_a_quantized_copy_of_a_gguf_chat_model_answers_as_the_file_does(tmp_path, write_gguf, monkeypatch, capsys):
+    """The copy carries the file's tokenizer (written from its vocabulary, read by litgpt and transformers), its chat
+    template and its end-of-turn tokens: generate on the copy styles, encodes and answers as on the file (it exited 2
+    for want of a tokenizer, and with one copied in by hand applied no template)."""
+    import litgpt.generate.base
+    import transformers
+
+    from lightning_lowmem.cli.prompts import prompt_style_for
+    from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
+
+    path = tmp_path / "chat.Q8_0.gguf"
+    write_gguf(path, "Q8_0", vocab="bpe", tie=True, hidden=128, intermediate=256, name="tiny chat")
+    out = tmp_path / "copy"
+    assert main(["quantize", str(path), "--quantize", "bnb.nf4", "--out", str(out), "--device", "cpu"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "prompt_style.yaml"):
+        assert str(out / name) in listed, name
+
+    seen, real = [], litgpt.generate.base.generate
+
+    def spy(model, prompt, *args, **kwargs):
+        seen.append(prompt.tolist())
+        return real(model, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(litgpt.generate.base, "generate", spy)
+    flags = ["--prompt", "What is the capital of France?", "--sys_prompt", "Be brief.", "--max_new_tokens", "6",
+             "--top_k", "1", "--device", "cpu"]
+    assert main(["generate", str(path), *flags, "--quantize", "bnb.nf4"]) == 0
+    expected = capsys.readouterr().out
+    assert main(["generate", str(out), *flags]) == 0  # no --quantize: the copy says its scheme
+    assert capsys.readouterr().out == expected
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    reference = transformers.AutoTokenizer.from_pretrained(out)  # the copy's files, read by transformers
+    ids = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert seen == [ids, ids]
+    source, copy = LitgptCheckpoint.find(path), LitgptCheckpoint.find(out)
+    assert copy.config.name == source.config.name
+    styles = [prompt_style_for(c.directory, c.config, c.gguf, c.tokenizer) for c in (source, copy)]
+    assert styles[0].stop_tokens(source.tokenizer) == styles[1].stop_tokens(copy.tokenizer)

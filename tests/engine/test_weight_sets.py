@@ -283,7 +283,7 @@ def test_sets_holding_the_same_tensors_load_and_are_called_the_same_only_when_ev
     assert "pytorch_model.bin in" in report.source and "holds the same tensors (every byte compared" in report.source
     assert any("the same" in r.message and "compared" in r.message for r in caplog.records)
     assert report.source.startswith(str(directory / "model.safetensors")) and nbytes > 2**20
-    assert report_pinned.source.endswith("(prefer='model.safetensors')")
+    assert report_pinned.source.endswith(f"chosen as asked ('model.safetensors') among the 2 weight sets in {directory}")
 
 
 def _meta(config):
@@ -347,7 +347,7 @@ def test_a_stale_index_is_no_error_when_prefer_names_a_good_set(tmp_path, states
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
     report = load_checkpoint(meta_gpt(states["config"]), directory, prefer="lit_model.pth", progress=False)
-    assert report.source.endswith("(prefer='lit_model.pth')")
+    assert report.source.endswith("chosen as asked ('lit_model.pth') among the 2 weight sets in " + str(directory))
     with pytest.raises(CheckpointNotFoundError, match=r"missing.*Or read another weight set.*prefer='lit_model\.pth'"):
         load_checkpoint(meta_gpt(states["config"]), directory, progress=False)
 

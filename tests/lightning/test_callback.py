@@ -255,3 +255,56 @@ def test_predict_and_validate_with_layers_on_disk_equal_the_model_in_memory_and_
         _trainer(LowMemCallback(path, max_memory={"cpu": nbytes // 4}, disk_offload=True),
                  max_steps=1).fit(lit_module(reference.config), _data())
     callback.report.disk.close()
+
+
+_LINES = """
+import logging, sys, torch, lightning as L
+from litgpt import GPT, Config
+from lightning_lowmem import LowMemCallback, LowMemStrategy, init_empty
+
+directory, quiet = sys.argv[1], sys.argv[2] == "quiet"
+if quiet:  # the switches Lightning documents for its own lines
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+config = Config.from_file(directory + "/model_config.yaml")
+
+
+class Lit(L.LightningModule):
+    def configure_model(self):
+        self.model = GPT(config)
+
+    def predict_step(self, batch):
+        return self.model(batch)
+
+
+trainer = L.Trainer(accelerator="cpu", precision="bf16-true", logger=False, enable_progress_bar=False,
+                    callbacks=[LowMemCallback(directory + "/lit_model.pth", quantize="bnb.nf4")])
+trainer.predict(Lit(), torch.utils.data.DataLoader(torch.randint(0, 100, (2, 8)), batch_size=2))
+print("-- fabric --", file=sys.stderr, flush=True)
+fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LowMemStrategy(), precision="bf16-true")
+with fabric.init_module():
+    model = GPT(config)
+fabric.load_raw(directory + "/lit_model.pth", model)
+"""
+
+
+def test_the_trainer_and_fabric_show_one_line_per_load_as_their_own_lines_and_quiet_it_with_them(
+        tmp_path, child_env, tiny_config, write_litgpt_dir):
+    """In a fresh process, as a user runs it: the callback's line among the Trainer's own ("GPU available: ..."),
+    the strategy's after Fabric's; with Lightning's loggers set to WARNING, neither (nor Lightning's own)."""
+    import re
+    import subprocess
+    import sys
+
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_embd=128), torch.bfloat16, tokenizer=False)
+    shown, quiet = (subprocess.run([sys.executable, "-c", _LINES, str(directory), mode], capture_output=True,
+                                   text=True, env=child_env, timeout=300) for mode in ("default", "quiet"))
+    assert shown.returncode == 0 and quiet.returncode == 0, shown.stderr[-2000:] + quiet.stderr[-2000:]
+    trainer, fabric = shown.stderr.split("-- fabric --")
+    number = r"\d+(\.\d+)? [KMG]?i?B"
+    line = rf"loaded \d+ tensors from lit_model.pth{{}}: {number} read, {number} in the model, \d+\.\d+ s, " \
+           rf"peak RSS \+{number}\n"
+    assert "GPU available" in trainer and re.search("^LowMemCallback: " + line.format(r" \(bnb.nf4\)"), trainer, re.M)
+    assert len(re.findall("LowMemCallback: loaded", trainer)) == 1, trainer
+    assert re.search("^LowMemStrategy: " + line.format(""), fabric, re.M) and fabric.count("loaded ") == 1, fabric
+    assert "GPU available" not in quiet.stderr and "loaded " not in quiet.stderr, quiet.stderr

@@ -1,10 +1,13 @@
-"""estimate_memory: from headers or a config, equal to what is allocated and loaded, and within 5% of a measured peak.
+"""estimate_memory: from headers or a config, equal to what is allocated and loaded, never under a measured peak and at
+most 10% over it.
 
 Every size is checked against an independent outcome: what ``setup_kv_cache`` allocates, what the loader
 holds (``LoadReport``), what the placement plan reserves, or a peak measured in a fresh process.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,11 +117,41 @@ def test_past_the_block_size_and_the_table(tiny_config):
 
 
 @pytest.mark.slow
-def test_estimate_within_5_percent_of_the_measured_peak(peak_model_dir, measure_in_fresh_process):
+def test_estimate_is_not_under_the_measured_peak_and_within_10_percent(peak_model_dir, measure_in_fresh_process):
     """A 45M-parameter bf16 model (87 MiB), 64 + 50 tokens, lightning_lowmem.generate() in a fresh process."""
     measured = measure_in_fresh_process(peak_model_dir, "entry-point")["model_peak"]
     est = estimate_memory(peak_model_dir, max_seq_length=114, prompt_length=64)
-    assert abs(measured - est.peak) <= 0.05 * measured, (measured, str(est))
+    assert measured <= est.peak <= 1.10 * measured, (measured, str(est))
+
+
+@pytest.mark.slow
+def test_the_estimate_against_fresh_processes_every_scheme_bf16_and_gguf_litgpt_and_transformers(tmp_path_factory,
+                                                                                                 child_env):
+    """benchmarks/estimate_accuracy.py's table: SmolLM2-135M from a bf16 lit_model.pth and from a Q4_1 GGUF file
+    through generate() (load and generation), bert-large's shapes through load_checkpoint, each scheme that runs
+    on a CPU, one fresh process per row: measured peak <= estimate <= 1.10 x measured, every row."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "estimate_accuracy.py"), "--json", "--workdir",
+                           str(tmp_path_factory.mktemp("estimate-accuracy"))], capture_output=True, text=True,
+                          env=child_env, timeout=5400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert len(rows) == 27 and not [row for row in rows if "error" in row["measured"]], rows
+    table, failed = [], []
+    for row in rows:
+        for phase in ("load", "generate"):
+            est, got = row["estimate"][phase], row["measured"].get(phase)
+            if est is None or got is None:
+                continue
+            table.append(f"{row['source']:12} {row['scheme']:15} {phase:8} estimate {est / 2**20:7.1f} MiB, measured "
+                         f"{got / 2**20:7.1f} MiB: {est / got:.3f}")
+            if not got <= est <= 1.10 * got:
+                failed.append(table[-1])
+    assert not failed, "\n".join(["outside 1.00-1.10:", *failed, "", "all:", *table])
 
 
 def test_estimate_carries_the_placement_plan():
@@ -220,7 +253,7 @@ def test_a_transformers_model_is_estimated_as_its_load_holds_it(tmp_path, write_
     write_transformers_dir(directory, kind)
     est = estimate_memory(directory, quantize="bnb.nf4")
     model, name = meta_model(directory)
-    assert est.model == name and "built on meta" in est.notes[0]
+    assert est.model == name and any("built on meta" in note for note in est.notes)
     persistent = set(model.state_dict())
     report = load_checkpoint(model, directory, dtype=torch.bfloat16, quantize="bnb.nf4")
     rebuilt = sum(b.nbytes for n, b in model.named_buffers() if n not in persistent)  # BERT's position_ids

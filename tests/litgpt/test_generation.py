@@ -174,3 +174,17 @@ def test_config_by_litgpt_name_as_the_cli_takes_it_or_a_type_error(pythia_14m_hf
         estimate_memory(directory, config={"name": "pythia-14m"})
     with pytest.raises(ValueError, match="config='pythia-14mm' is neither a model_config.yaml file nor a litgpt"):
         estimate_memory(directory, config="pythia-14mm")
+
+
+def test_int8_generation_tells_its_input_cast_once(tmp_path, tiny_config, write_litgpt_dir, caplog):
+    """bitsandbytes' int8 matmul logs its bf16 -> fp16 input cast on every call (once per layer per token): told
+    once per generate() call, every other message of that logger kept."""
+    import logging
+
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(n_embd=128), torch.bfloat16, tokenizer=False)
+    caplog.set_level(logging.WARNING)
+    for _ in range(2):
+        generate(directory, [1, 2, 3], max_new_tokens=6, quantize="bnb.int8", top_k=1)
+    casts = [r.getMessage() for r in caplog.records if r.name == "bitsandbytes.autograd._functions"]
+    assert casts == ["MatMul8bitLt: inputs will be cast from torch.bfloat16 to float16 during quantization"] * 2
+    assert logging.getLogger("bitsandbytes.autograd._functions").filters == []

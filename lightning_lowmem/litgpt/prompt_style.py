@@ -1,0 +1,110 @@
+"""A checkpoint's prompt style, found as ``litgpt generate`` and ``litgpt chat`` find it, or its own chat template.
+
+In this order:
+
+1. the directory's ``prompt_style.yaml`` (litgpt's ``save_prompt_style``). One that names
+   :class:`~lightning_lowmem.litgpt.chat_template.ChatTemplate` (what ``lightning-lowmem quantize`` writes beside
+   the copy of a GGUF file with a chat template) is the chat template in the directory's ``tokenizer_config.json``
+   (``chat_template``, where transformers keeps it), rendered as the GGUF file rendered it;
+2. a GGUF file's own chat template (``tokenizer.chat_template``);
+3. the style litgpt picks from the config's name (``PromptStyle.from_config``).
+
+``generate()`` and the ``generate`` and ``chat`` commands all ask :func:`prompt_style_for`, so the API and the
+command line prompt one checkpoint alike.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lightning_lowmem.errors import CheckpointFormatError
+from lightning_lowmem.litgpt.requirement import import_litgpt
+
+CHAT_TEMPLATE_STYLE = "lightning_lowmem.litgpt.chat_template.ChatTemplate"
+"""The ``class_path`` a ``prompt_style.yaml`` gives for "the chat template of this directory's tokenizer_config.json"."""
+
+
+def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None, tokenizer: Any | None = None) -> Any:
+    """litgpt's ``PromptStyle`` for a checkpoint in ``directory`` (see the module's docstring).
+
+    Args:
+        directory: where ``prompt_style.yaml`` and ``tokenizer_config.json`` are looked for.
+        config: the litgpt ``Config`` (its name picks litgpt's style).
+        gguf: a GGUF file's ``GGUFSource``, or None.
+        tokenizer: the checkpoint's tokenizer, for a chat template's special and end-of-turn tokens.
+
+    Raises:
+        CheckpointFormatError: ``prompt_style.yaml`` names the chat template and ``tokenizer_config.json`` holds none.
+    """
+    prompts = import_litgpt("litgpt.prompts", needed_by="Finding a checkpoint's prompt style")
+    if has_chat_template_style(directory):
+        return _directory_template(directory, tokenizer)
+    if prompts.has_prompt_style(directory):
+        return prompts.load_prompt_style(directory)
+    if gguf is not None:
+        from lightning_lowmem.litgpt.chat_template import chat_template_style
+
+        style = chat_template_style(gguf.chat_template, gguf.tokenizer)
+        if style is not None:
+            return style
+    return prompts.PromptStyle.from_config(config)
+
+
+def styled_prompt(prompt: str, style: Any, found: Any | None, config: Any, sys_prompt: str | None = None) -> str:
+    """``prompt`` in ``style``: ``"auto"``, the checkpoint's own (:func:`prompt_style_for` of ``found``, what
+    :meth:`LitgptCheckpoint.find` found; without one, litgpt's for ``config``), a litgpt style's name
+    (``"alpaca"``), or a ``PromptStyle``.
+
+    Raises:
+        ValueError: a name litgpt has no style for.
+    """
+    prompts = import_litgpt("litgpt.prompts", needed_by="Applying a prompt style")
+    if style == "auto":
+        style = prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer) if found is not None \
+            else prompts.PromptStyle.from_config(config)
+    elif isinstance(style, str):
+        if style not in prompts.prompt_styles:
+            raise ValueError(f"prompt_style={style!r} is no litgpt prompt style: pass 'auto' (the checkpoint's), None "
+                             f"(the prompt as given), a litgpt.prompts.PromptStyle, or one of "
+                             f"{', '.join(sorted(prompts.prompt_styles))}.")
+        style = prompts.PromptStyle.from_name(style)
+    return style.apply(prompt, sys_prompt=sys_prompt)
+
+
+def write_chat_template_style(directory: Path) -> Path:
+    """``prompt_style.yaml`` in ``directory`` naming the chat template of its ``tokenizer_config.json`` as its prompt
+    style (litgpt's file, with the class litgpt's ``load_prompt_style`` would import); returns its path."""
+    path = directory / "prompt_style.yaml"
+    path.write_text(f"class_path: {CHAT_TEMPLATE_STYLE}\n", encoding="utf-8")
+    return path
+
+
+def has_chat_template_style(directory: Path) -> bool:
+    """Whether ``directory``'s ``prompt_style.yaml`` names the chat template of its ``tokenizer_config.json``."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load((directory / "prompt_style.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False  # none, or one litgpt's own loader reads and says what is wrong with
+    return isinstance(loaded, dict) and loaded.get("class_path") == CHAT_TEMPLATE_STYLE
+
+
+def _directory_template(directory: Path, tokenizer: Any | None) -> Any:
+    from lightning_lowmem.litgpt.chat_template import chat_template_style
+
+    path = directory / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        template = None
+    style = chat_template_style(template if isinstance(template, str) else None, tokenizer)
+    if style is None:
+        raise CheckpointFormatError(
+            f"{directory / 'prompt_style.yaml'} says the prompt style is the chat template of {path}, but "
+            f"{'there is no tokenizer in the directory' if tokenizer is None else 'that file holds none'}. Put the "
+            "model's tokenizer.json and tokenizer_config.json (with its chat_template) there, or remove "
+            "prompt_style.yaml to prompt with litgpt's style for the model.")
+    return style
