@@ -23,6 +23,9 @@
                    tensor's dequantization workspace, and, kept unquantized and cast or rewritten, one
                    block of its rows as read (twice when the transform rewrites it), never the tensor
                    in float32) plus 6 MiB measured for the load itself
+    staging        a load onto a device with a copy engine (CUDA): the ring of pinned host buffers its reads land
+                   in (``staging.py``: one per reading thread + 2, each the largest piece read, 32 MiB at most).
+                   Host memory, held during the load only; beside the device's peak, not in it
     tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
                    vocabulary), resident from before the load to the end; 0 otherwise
     disk           with layers left in the checkpoint file (``disk_offload``): their weights are not in memory;
@@ -50,7 +53,10 @@ import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.engine.route import Route, Traits
+from lightning_lowmem.engine.ring import SPARE_SLOTS
 from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.engine.staging import ring_nbytes, stage_workers
+from lightning_lowmem.engine.stream import path_device
 from lightning_lowmem.engine.whole_reads import whole_reads
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
@@ -86,6 +92,7 @@ class MemoryEstimate:
     imports: int = 0
     load_transient: int = 0
     tokenizer: int = 0
+    staging: int = 0
     disk_weights: int = 0
     disk_read: int = 0
     disk_buffers: int = 0
@@ -152,6 +159,7 @@ class MemoryEstimate:
                 *([("imports of the load (transformers' model classes)", self.imports)] if self.imports else []),
                 ("load transient (largest tensor in flight + load)", self.load_transient),
                 *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
+                *([("staging ring (pinned host memory, during the load)", self.staging)] if self.staging else []),
                 *self._disk_rows(),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
@@ -190,10 +198,14 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
                          batch_size=batch_size, max_seq_length=max_seq_length, prompt_length=prompt_length,
                          runtime=runtime, placement=prepared.placement, source=prepared.source.why)
     traits = Traits.of(prepared.plan, prepared.source.checkpoint, transform=prepared.transform,
-                       requantized=frozenset(requantized))
+                       requantized=frozenset(requantized), staged=path_device(prepared.plan))
     placement = prepared.placement
-    for target in prepared.plan.targets:
-        _add_target(est, route_of(target, traits), placement is not None and placement.is_on_disk(target.names[0]))
+    routes = [route_of(target, traits) for target in prepared.plan.targets]
+    for route in routes:
+        _add_target(est, route, placement is not None and placement.is_on_disk(route.target.names[0]))
+    staged = [spec for route in routes if route.staged for spec in route.specs]
+    if staged:  # the ring the stream's device path allocates (``open_stager``), host memory beside the device's
+        est.staging = (stage_workers() + SPARE_SLOTS) * ring_nbytes(staged)
     if est.disk_weights:
         execution = prepared.execution  # the streamer's numbers: each layer on disk read once per forward
         est.disk_read, est.disk_buffers = execution.read_nbytes, est.disk_buffers + execution.buffer_nbytes

@@ -33,7 +33,7 @@ class Recording(ThreadCopies):
     def __init__(self, delay: float = 0.0, fail_at: int | None = None, refuse_buffers: bool = False) -> None:
         super().__init__()
         self.delay, self.fail_at, self.refuse_buffers = delay, fail_at, refuse_buffers
-        self.copies = 0
+        self.copies = self.buffer_bytes = 0
         self.buffers: list[weakref.ref] = []
         self.events: list[tuple[str, int, int]] = []  # ("alloc" | "free", id, bytes), in order
 
@@ -42,6 +42,7 @@ class Recording(ThreadCopies):
             raise RuntimeError("pinned memory refused (test)")
         buffer = super().host_buffer(nbytes)
         self.buffers.append(weakref.ref(buffer))
+        self.buffer_bytes += buffer.nbytes
         return buffer
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -119,6 +120,30 @@ def test_staged_load_is_the_load_without_it(tmp_path, cpu_path, quant_config, ti
     row = 128 * (stored.itemsize + (dtype.itemsize if dtype.itemsize < stored.itemsize else 0))
     assert len(pieces) > 1 and all(b - a <= 4096 // row for _, a, b in pieces)
     assert engines[0].copies > report.tensors and not _lowmem_threads()
+
+
+@pytest.mark.parametrize("scheme", [None, "bnb.nf4"])
+def test_the_estimate_counts_the_ring_the_load_allocates(cpu_path, quant_checkpoint, quant_load, meta_gpt,
+                                                          quant_config, scheme):
+    """The staging ring is host memory a device load adds: the estimate counts what the load's engine gave, and
+    nothing for a load that takes no device path."""
+    from lightning_lowmem.engine import LoadOptions, estimate_prepared, prepare_load, resolved
+
+    def estimate():
+        model, options = meta_gpt(quant_config), LoadOptions(dtype=torch.bfloat16, quantize=scheme)
+        with resolved(quant_checkpoint, model, options) as source:
+            prepared = prepare_load(model, source, options)
+        return estimate_prepared(prepared, model="m", dtype=torch.bfloat16, batch_size=1, max_seq_length=1,
+                                 prompt_length=1, with_caches=False)
+
+    assert estimate().staging == 0
+    engines = cpu_path()
+    est = estimate()
+    quant_load(quant_checkpoint, quantize=scheme)
+    assert est.staging == engines[-1].buffer_bytes > 0
+    assert est.staging == (staging.stage_workers() + 2) * 4096
+    assert ("staging ring (pinned host memory, during the load)", est.staging) in est.rows()
+    assert est.load_peak == est.to_dict()["load_peak"] and est.to_dict()["staging"] == est.staging
 
 
 @pytest.mark.parametrize("scheme", [s for s in ["bnb.nf4", "bnb.nf4-dq", "bnb.int8", "torchao.int8wo"] if s in ON_CPU])
