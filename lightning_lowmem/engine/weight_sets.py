@@ -243,6 +243,8 @@ class _View:
     stored: dict[str, StoredWeight] = field(default_factory=dict)
     combine: Combine | None = None
     transform: Transform | None = None
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Module name -> the other names of the same tensor in the module (a head tied to its embedding)."""
 
     @classmethod
     def of(cls, weight_set: WeightSet, ckpt: Checkpoint, module: nn.Module | None) -> _View:
@@ -252,7 +254,7 @@ class _View:
         key_map = conversion.key_map if conversion is not None else None
         if conversion is None and module is not None:
             key_map = guess_prefix(set(module.state_dict(keep_vars=True)), list(records))[0]
-        view = cls(weight_set, ckpt, native=conversion is None)
+        view = cls(weight_set, ckpt, native=conversion is None, aliases=_aliases(module))
         for key, rec in records.items():
             name = apply_key_map(key, key_map)
             if name is not None:
@@ -276,35 +278,51 @@ class _View:
     def difference(self, other: _View) -> str:
         """The first way ``other`` holds other tensors than this one by headers and sampled bytes, or ``""``."""
         mine, theirs = {**self.shapes(), **self.built}, {**other.shapes(), **other.built}
-        if set(mine) != set(theirs):
-            only = sorted(set(mine) ^ set(theirs))
+        pairs, only = self.pairs(other)
+        if only:
             return f"{len(only)} tensors are in one and not the other ({format_names(only, 3)})"
         compared = 0
-        for name, shape in mine.items():
-            if shape != theirs[name]:
-                return f"{name!r} is {list(shape)} in one and {list(theirs[name])} in the other"
-            a, b = self.plain.get(name), other.plain.get(name)
-            if a is None or b is None or name in self.built or name in other.built:
+        for name, their_name in pairs:
+            if mine[name] != theirs[their_name]:
+                return f"{name!r} is {list(mine[name])} in one and {list(theirs[their_name])} in the other"
+            a, b = self.plain.get(name), other.plain.get(their_name)
+            if a is None or b is None or name in self.built or their_name in other.built:
                 continue
-            if (a.dtype, self._scheme(name)) != (b.dtype, other._scheme(name)):
-                return (f"{name!r} is {self._form(name)} in {self.set.name} and {other._form(name)} in "
+            if (a.dtype, self._scheme(name)) != (b.dtype, other._scheme(their_name)):
+                return (f"{name!r} is {self._form(name)} in {self.set.name} and {other._form(their_name)} in "
                         f"{other.set.name}")
             samples = (_sample(self.ckpt, a), _sample(other.ckpt, b)) if name not in self.stored else (None, None)
             if samples[0] is not None and samples[1] is not None:
                 if not _same_bytes(*samples):
-                    return f"the values of {name!r} differ"
+                    return f"the values of {_pair_name(name, their_name, other)} differ"
                 compared += 1
         return "" if compared else "no tensor of one could be compared with the other's"
+
+    def pairs(self, other: _View) -> tuple[list[tuple[str, str]], list[str]]:
+        """Each tensor of this set with the one of ``other`` that fills the same module tensor (its own name, or a
+        name tied to it in the module where one set holds a tied tensor once and the other twice); and the names
+        neither way matches."""
+        mine, theirs = {*self.shapes(), *self.built}, {*other.shapes(), *other.built}
+        pairs: dict[tuple[str, str], None] = {}
+        only = []
+        for name in sorted(mine | theirs):
+            a = name if name in mine else next((n for n in self.aliases.get(name, ()) if n in mine), None)
+            b = name if name in theirs else next((n for n in other.aliases.get(name, ()) if n in theirs), None)
+            if a is None or b is None:
+                only.append(name)
+            else:
+                pairs[a, b] = None
+        return list(pairs), only
 
     def compare_bytes(self, other: _View) -> tuple[str, int]:
         """The first tensor whose bytes differ between the two sets (``""`` if none), and the bytes read; one
         tensor of each at a time."""
         read = 0
-        for name in {**self.shapes(), **self.built}:
-            for (role, a), (_, b) in zip(self.pieces(name), other.pieces(name), strict=True):
+        for name, their_name in self.pairs(other)[0]:
+            for (role, a), (_, b) in zip(self.pieces(name), other.pieces(their_name), strict=True):
                 read += _stored_nbytes(a) + _stored_nbytes(b)
                 if not _same_bytes(a, b):
-                    what = f"{name!r} ({role})" if role else repr(name)
+                    what = _pair_name(name, their_name, other) + (f" ({role})" if role else "")
                     return f"the bytes of {what} differ (every byte compared)", read
         return "", read
 
@@ -331,6 +349,22 @@ class _View:
     def _form(self, name: str) -> str:
         scheme = self._scheme(name)
         return f"quantized ({scheme})" if scheme else str(self.plain[name].dtype).removeprefix("torch.")
+
+
+def _pair_name(name: str, their_name: str, other: _View) -> str:
+    """``name``, and the name the other set holds it under where that is another name of the same tensor."""
+    tied = f" ({their_name!r} in {other.set.name}, tied to it)" if their_name != name else ""
+    return repr(name) + tied
+
+
+def _aliases(module: nn.Module | None) -> dict[str, tuple[str, ...]]:
+    """Each name of ``module`` that shares its tensor with other names -> those names."""
+    if module is None:
+        return {}
+    groups: dict[int, list[str]] = {}
+    for name, tensor in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(tensor), []).append(name)
+    return {n: tuple(m for m in names if m != n) for names in groups.values() if len(names) > 1 for n in names}
 
 
 def _sample(ckpt: Checkpoint, rec: TensorRecord) -> torch.Tensor | None:

@@ -363,3 +363,37 @@ def test_a_stray_tensor_file_beside_the_weights_is_left_out_with_a_warning(tmp_p
         report = load_checkpoint(meta_gpt(states["config"]), directory, progress=False)
     assert report.source == f"{directory / 'lit_model.pth'}: the only weights in {directory} (the other files there " \
                             "hold no state dict)"
+
+
+@pytest.mark.parametrize("stale_head", [False, True])
+def test_a_tied_head_saved_once_and_saved_twice_is_one_weight_set(tmp_path, stale_head):
+    """transformers' save_pretrained writes a tied head once (model.safetensors has no lm_head.weight); a
+    torch.save of the state dict beside it writes it twice. The sets are the same tensors when the copy equals
+    the embedding (both ways of comparing), and different when it does not."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_lowmem import init_empty
+
+    config = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=300, n_positions=32)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if stale_head:
+        state["lm_head.weight"][7, 5] += 1  # sampled bytes may miss it; every byte compared does not
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    for verify in (False, True):
+        with init_empty():
+            loaded = GPT2LMHeadModel(config)
+        if stale_head and verify:
+            with pytest.raises(AmbiguousCheckpointError, match="lm_head.weight"):
+                load_checkpoint(loaded, tmp_path, verify_weight_sets=True, progress=False)
+            continue
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            report = load_checkpoint(loaded, tmp_path, verify_weight_sets=verify, progress=False)
+        assert report.source.startswith(str(tmp_path / "model.safetensors"))
+        assert ("every byte compared" in report.source) is verify
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight
+        for key, value in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[key], value), key
