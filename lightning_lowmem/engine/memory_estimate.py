@@ -39,8 +39,8 @@
 Where a term depends on what cannot be known before the load (the freed heap a quantized load finds resident,
 whether a library is imported already), the term is its upper bound, and the estimate's notes say which.
 Measured against fresh processes on CPU, every scheme, bf16 and GGUF sources, litgpt and transformers models
-(``benchmarks/estimate_accuracy.py``; ``tests/litgpt/test_estimate_memory.py``): measured <= estimate <= 1.10 x
-measured.
+(``benchmarks/estimate_accuracy.py``; ``tests/litgpt/test_estimate_memory.py``): never under the measured peak,
+within 1.10 x measured once the terms taken at their upper bound are set aside (the table: ``docs/generation.md``).
 """
 
 from __future__ import annotations
