@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_lowmem.devices import as_device
 from lightning_lowmem.placement import Budgets, MaxMemory, parse_max_memory
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.quantize import QuantScheme, parse_scheme, parse_skip
@@ -101,7 +102,7 @@ class LoadOptions:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
         if self.device is not None:
-            set_("device", _device(self.device))
+            set_("device", as_device(self.device))
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {self.dtype!r}.")
         set_("quantize", parse_scheme(self.quantize))
@@ -208,15 +209,6 @@ def unknown_keywords(names: Sequence[str], face: Callable[..., Any] | None) -> s
     takes = f"its own arguments {', '.join(own)} and " if own else ""
     return (f"{who} got {'an ' if not plural else ''}unknown keyword argument{plural} {', '.join(hints)}. It takes "
             f"{takes}any LoadOptions field by name: {', '.join(fields)} (see LoadOptions' attributes for each).")
-
-
-def _device(device: object) -> torch.device:
-    """``device`` as a ``torch.device``; a string torch does not read is a ``ValueError`` naming the option."""
-    try:
-        return torch.device(device)  # type: ignore[arg-type]
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', got "
-                         f"{device!r}.") from e
 
 
 def _is_int(value: object) -> bool:
