@@ -1,7 +1,8 @@
 """Where a load computes and in what dtype, when the caller does not say: one answer for every face.
 
 * :func:`execution_device`: where the layers of a load run: ``max_memory``'s execution device (offloaded and on-disk
-  layers are brought there for their forward), else ``device``, else the face's default.
+  layers are brought there for their forward), else ``device``, else the face's default. The prepared load, the
+  load's memory monitor, ``generate`` and its command-line faces, the litgpt loader and the estimate all ask it.
 * :func:`default_device`: litgpt's default where nothing is asked: CUDA when there is one, else the CPU (the command
   line, and the estimate of a generation).
 * :func:`generation_dtype`: the dtype of a generation: ``dtype``, else the precision flag, else bf16 (litgpt's

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
-from lightning_lowmem.dtypes import supports_bf16
+from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
@@ -133,7 +134,7 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
             whose precision casts the whole module (Lightning's).
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
+    with MemoryMonitor(device=cuda_or_none(execution_device(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             source = stack.enter_context(resolved(checkpoint, module, options))
             with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
@@ -301,20 +302,13 @@ def _finish_report(report: LoadReport, monitor: MemoryMonitor) -> LoadReport:
     return report
 
 
-def _watched(options: LoadOptions) -> torch.device | None:
-    """The device whose memory the load's monitor watches (with max_memory: the execution device)."""
-    if options.budgets is not None:
-        return torch.device(options.budgets.execution_device)
-    return options.device
-
-
 def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype]) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
     dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps). What the
     architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
+    (:func:`~lightning_lowmem.dtypes.fallback_dtype`).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -322,7 +316,5 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = dtypes.get(own, buf.dtype)
-            if cast == torch.bfloat16 and not supports_bf16(where):
-                cast = torch.float16
+            cast = fallback_dtype(dtypes.get(own, buf.dtype), where, warn=False)  # the tensors' fallback warned
             mod._buffers[name] = buf.to(device=where, dtype=cast)

@@ -24,6 +24,7 @@ from torch import nn
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.runtime.disk_units import check_streamable
 from lightning_lowmem.runtime.execution import ExecutionPlan
+from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
@@ -119,15 +120,13 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
                      combine=source.combine, stored=stored.weights or None, files=source.description, dtypes=dtypes)
     if check_keys:
         plan.check_keys(strict=options.strict is not False)
-    prepared = PreparedLoad(module, options, plan, source, device=options.device or torch.device("cpu"),
-                            dtypes=dtypes)
+    prepared = PreparedLoad(module, options, plan, source, device=execution_device(options, "cpu"), dtypes=dtypes)
     if stored:
         prepared.selection = mark_stored(module, plan, stored)
     elif options.scheme is not None:
         prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize)
     if options.budgets is not None:
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
-        prepared.device = torch.device(prepared.placement.execution_device)
         if prepared.placement.on_disk:
             check_streamable(plan, prepared.placement, source.description)
     prepared.execution = ExecutionPlan.of(plan, prepared.placement, prepared.device)
