@@ -7,13 +7,17 @@
   line, and the estimate of a generation).
 * :func:`generation_dtype`: the dtype of a generation: ``dtype``, else the precision flag, else bf16 (litgpt's
   ``--precision`` default).
+* :func:`compute_dtype`: the dtype a load computes in on its execution device: bf16 becomes fp16 where that device
+  lacks bf16, by the rule the execution plan applies to each layer (``runtime/execution.py``,
+  :func:`~lightning_lowmem.dtypes.fallback_dtype`). A face that sets a precision up around the loaded model (the
+  litgpt loader's Fabric) asks it, so it does not cast the fp16 model back to bf16.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_lowmem.dtypes import load_dtype
+from lightning_lowmem.dtypes import fallback_dtype, load_dtype
 from lightning_lowmem.engine.options import LoadOptions
 
 GENERATION_DTYPE = torch.bfloat16
@@ -56,3 +60,18 @@ def generation_dtype(dtype: torch.dtype | None = None, precision: str | None = N
     """
     return load_dtype(dtype, precision, GENERATION_DTYPE) or GENERATION_DTYPE
 
+
+def compute_dtype(options: LoadOptions) -> torch.dtype | None:
+    """The floating dtype a load with ``options`` computes in on its :func:`execution_device` (the CPU when it names
+    none): ``options.dtype``, but fp16 for bf16 where that device lacks bf16; None without ``options.dtype``.
+
+    Example::
+
+        >>> from lightning_lowmem.dtypes import assume_bf16_support
+        >>> with assume_bf16_support("cpu", False):
+        ...     compute_dtype(LoadOptions(dtype=torch.bfloat16)), compute_dtype(LoadOptions(dtype=torch.float32))
+        (torch.float16, torch.float32)
+    """
+    if options.dtype is None:
+        return None
+    return fallback_dtype(options.dtype, execution_device(options, "cpu"), warn=False)

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
-from lightning_lowmem.engine.defaults import execution_device
+from lightning_lowmem.engine.defaults import compute_dtype, execution_device
 from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
@@ -172,7 +172,7 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
 
     from lightning_lowmem.lightning.strategy import LowMemStrategy
 
-    device, dtype = execution_device(options), options.dtype
+    device, dtype = execution_device(options), compute_dtype(options)  # bf16 -> fp16 on a device without bf16
     if device is None or dtype is None:
         raise ValueError("load_litgpt needs the device and dtype decided (generation_options decides them).")
     fabric = L.Fabric(accelerator=device.type, devices=1, strategy=LowMemStrategy(device=device),

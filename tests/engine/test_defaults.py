@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_lowmem import LoadOptions, estimate_memory
+from lightning_lowmem import BF16FallbackWarning, LoadOptions, assume_bf16_support, estimate_memory, generate
 from lightning_lowmem.cli.options import default_device as cli_device
 from lightning_lowmem.engine import placement_plan
 from lightning_lowmem.engine.defaults import GENERATION_DTYPE, default_device, execution_device, generation_dtype
-from lightning_lowmem.litgpt.generation import generation_options
+from lightning_lowmem.litgpt.generation import generation_options, load_for_generation
 
 
 def test_the_execution_device_is_the_budgets_then_the_device_then_the_default():
@@ -48,3 +48,18 @@ def test_the_faces_take_the_device_and_dtype_the_owner_decides(tiny_config, meta
     plan = placement_plan(meta_gpt(tiny_config("gqa")), None, {"cuda:0": "1GiB", "cpu": "1GiB"}, context=16)
     assert plan.execution_device == str(execution_device(LoadOptions(max_memory={"cuda:0": "1GiB", "cpu": "1GiB"})))
 
+
+def test_a_generation_on_a_device_without_bf16_loads_and_runs_in_fp16(tmp_path, tiny_config, write_litgpt_dir):
+    """The default dtype is bf16; where the execution device lacks it (the CPU taken for one here) the execution plan
+    gives every layer fp16 with one warning, and the generation runs: the same tokens as a load asked for fp16."""
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config("gqa"), torch.float32, tokenizer=False)
+    with assume_bf16_support("cpu", False):
+        with pytest.warns(BF16FallbackWarning, match="cpu does not support bfloat16"):
+            model, _, report = load_for_generation(directory)
+        assert {p.dtype for p in model.parameters()} == {torch.float16}
+        assert {b.dtype for b in model.buffers() if b.is_floating_point()} <= {torch.float16, torch.float32}
+        with pytest.warns(BF16FallbackWarning):
+            fallback = generate(directory, [1, 2, 3], max_new_tokens=4, temperature=0.0)
+    asked = generate(directory, [1, 2, 3], max_new_tokens=4, temperature=0.0, dtype=torch.float16)
+    assert fallback.tokens[0].tolist() == asked.tokens[0].tolist()
+    assert fallback.memory.weights == asked.memory.weights
