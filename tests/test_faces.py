@@ -230,6 +230,40 @@ def test_the_docs_name_no_keyword_a_face_does_not_take(path):
     assert not bad, f"{path.relative_to(ROOT)}:\n" + "\n".join(bad)
 
 
+OTHER_LIBRARIES = {"assign", "ckpt_path", "devices", "dynamic", "mode", "strategy"}
+"""Keywords of torch, Lightning and litgpt the docs name in prose (``load_state_dict(assign=True)``, ``strategy=``)."""
+
+
+def _public_keywords() -> set[str]:
+    """Every parameter of the package's public functions, classes and their methods, and LoadOptions' fields."""
+    import lightning_lowmem
+
+    names = set(FIELDS)
+    for name in lightning_lowmem.__all__:
+        obj = getattr(lightning_lowmem, name)
+        methods = [m for _, m in inspect.getmembers(obj, inspect.isfunction)] if inspect.isclass(obj) else []
+        for function in [obj, *methods] if callable(obj) else methods:
+            try:
+                names |= set(inspect.signature(function).parameters)
+            except (TypeError, ValueError):  # a builtin without a signature
+                continue
+    return names
+
+
+def prose_drift(text: str, known: set[str]) -> list[str]:
+    """Keywords the docs name in backticks (`` `quantize=` ``, `` `mmap=True` ``) that nothing takes; environment
+    variables (upper case) aside."""
+    found = {m.group(1) for m in re.finditer(r"`(\w+)=(?!=)", text)}
+    return sorted(n for n in found - known - OTHER_LIBRARIES if not n.isupper())
+
+
+def test_the_docs_name_in_prose_no_keyword_nothing_takes():
+    known = _public_keywords()
+    bad = {str(path.relative_to(ROOT)): drift for path in DOCS if path.suffix == ".md"
+           if (drift := prose_drift(path.read_text(), known))}
+    assert not bad, f"keywords named in the docs that no face nor LoadOptions takes: {bad}"
+
+
 def test_the_docs_table_of_load_options_is_loadoptions_fields():
     text = (ROOT / "docs" / "loading.md").read_text()
     table = text[text.index("| field | what it does | default |"):]
@@ -248,6 +282,8 @@ def test_the_drift_checks_find_what_they_look_for():
     assert doc_drift("model.generate(idx, max_tokens=5)  `LowMemCallback(path, device_map=x)`") == [
         "line 1: LowMemCallback(... device_map=...): LowMemCallback takes no 'device_map'"]
     assert _keywords("f(a, b == c, d=dict(e=1), g=[h(i=2)])", 1) == ["d", "g"]
+    assert prose_drift("takes `quantize=`, `quantise=`, `mmap=True`, `OMP_NUM_THREADS=1`, `a==b`", set(FIELDS)) == [
+        "quantise"]
 
     def drifted(module, checkpoint, *, options=None, dtype=None, quantize=None, skip_quantize=None, **load_options):
         """Args: module, checkpoint, options, dtype, quantize, skip_quantize; any other
