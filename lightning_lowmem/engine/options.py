@@ -150,7 +150,7 @@ class LoadOptions:
         return self.quantize  # type: ignore[return-value]  (parsed in __post_init__)
 
     @classmethod
-    def merge(cls, options: LoadOptions | None = None, face: Callable[..., Any] | None = None, /,
+    def merge(cls, options: LoadOptions | None = None, face: Callable[..., Any] | None = None,
               **overrides: Any) -> LoadOptions:
         """``options`` (default: ``LoadOptions()``) with every keyword argument that is not None put in.
 

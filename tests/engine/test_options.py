@@ -81,6 +81,7 @@ def test_merge_puts_in_the_keywords_that_are_not_none():
     assert LoadOptions.merge(base, dtype=None, quantize=None) is base  # nothing to put in
     assert LoadOptions.merge(None, batch_size=2) == LoadOptions(batch_size=2)
     assert LoadOptions.merge(None) == LoadOptions()
+    assert LoadOptions.merge(options=base, batch_size=2) == LoadOptions.merge(base, batch_size=2)  # options= by name
 
 
 def test_merge_validates_what_it_puts_in_and_refuses_unknown_keywords():
