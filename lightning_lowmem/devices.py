@@ -48,11 +48,33 @@ def cuda_or_none(device: torch.device | str | None) -> torch.device | None:
     return None
 
 
+def as_device(device: torch.device | str | int) -> torch.device:
+    """``device`` as a ``torch.device``.
+
+    Raises:
+        ValueError: torch reads no device from it (``"gpu"``, ``1.5``).
+
+    Example::
+
+        >>> as_device("cuda:1"), as_device("cpu")
+        (device(type='cuda', index=1), device(type='cpu'))
+    """
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:1', got "
+                         f"{device!r}.") from e
+
+
 def indexed(device: torch.device | str) -> torch.device:
     """``device`` with its index: a bare ``"cuda"`` is the current CUDA device (``cuda:0`` unless set), since
     Lightning's CUDA accelerator passes the device to ``torch.cuda.set_device``, which refuses one without an index.
-    Anything else is returned as a ``torch.device``, unchanged."""
-    device = torch.device(device)
+    Anything else is returned as a ``torch.device``, unchanged.
+
+    Raises:
+        ValueError: torch reads no device from it (:func:`as_device`).
+    """
+    device = as_device(device)
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.litgpt.patch import patch_litgpt
 
     check_budgets(args, args.parser)
-    model, tokenizer, found, report = _load(Path(args.checkpoint), args)
+    model, tokenizer, found, report, device = _load(Path(args.checkpoint), args)
     config = found.config
     print(report, file=sys.stderr)
     prompt_style = _prompt_style(found)
@@ -81,10 +81,9 @@ def run(args: argparse.Namespace) -> int:
                         else "To exit, press 'Enter' on an empty prompt.")
     print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
     _seed()
-    device = report.placement.execution_device if report.placement is not None else next(model.parameters()).device
     with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report):
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
-                 fabric=Console(torch.device(device)), temperature=args.temperature,
+                 fabric=Console(device), temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,
                  stop_tokens=prompt_style.stop_tokens(tokenizer))
     if report.disk is not None:
@@ -92,22 +91,24 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """``(model, tokenizer, what LitgptCheckpoint.find found, load report)``; no tokenizer is an error before any
-    weight is read."""
+def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
+    """``(model, tokenizer, what LitgptCheckpoint.find found, load report, the device it runs on)``; no tokenizer is
+    an error before any weight is read."""
+    from lightning_lowmem.engine.defaults import execution_device
     from lightning_lowmem.errors import CheckpointNotFoundError
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
-    from lightning_lowmem.litgpt.generation import load_for_generation
+    from lightning_lowmem.litgpt.generation import generation_options, load_for_generation
 
     found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, verify=args.verify_weight_sets)
     if found.tokenizer is None:
         raise CheckpointNotFoundError(f"No tokenizer in {str(path)!r}: chat needs tokenizer.json or "
                                       "tokenizer.model there (or a GGUF file with a vocabulary). Copy the model's "
                                       "tokenizer files into the directory.")
-    model, tokenizer, report = load_for_generation(found, quantize=args.quantize, precision=args.precision,
-                                                   device=None if args.max_memory else default_device(args.device),
-                                                   max_memory=args.max_memory, disk_offload=args.disk_offload or None)
-    return model, tokenizer, found, report
+    options = generation_options(None, args.precision, device=None if args.max_memory else default_device(args.device),
+                                 quantize=args.quantize, max_memory=args.max_memory,
+                                 disk_offload=args.disk_offload or None)
+    model, tokenizer, report = load_for_generation(found, options=options)
+    return model, tokenizer, found, report, execution_device(options)
 
 
 def _decoding(compile: bool, device: Any, report: Any) -> Any:

@@ -16,7 +16,6 @@ from lightning_lowmem.cli.options import (
     max_memory,
     positive_int,
 )
-from lightning_lowmem.dtypes import precision_dtype
 
 EPILOG = """example:
   lightning-lowmem estimate checkpoints/EleutherAI/pythia-1b --quantize bnb.nf4 --max_seq_length 114
@@ -37,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT_OR_LITGPT_NAME",
                         help="a checkpoint file or directory, or a litgpt model name (pythia-1b)")
     add_quantize(parser, "the scheme the load would quantize with")
-    parser.add_argument("--precision", default="bf16-true",
+    parser.add_argument("--precision", default=None, metavar="PRECISION",
                         help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
     parser.add_argument("--max_seq_length", type=positive_int, default=None,
                         help="positions held: prompt + max_new_tokens (default: the model's block size)")
@@ -62,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
     """Estimate and print (a table, or JSON with ``--json``)."""
     from lightning_lowmem.cli.options import config_argument
     from lightning_lowmem.engine import LoadOptions
+    from lightning_lowmem.engine.defaults import generation_dtype
     from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
     check_budgets(args, args.parser)
-    est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=precision_dtype(args.precision),
+    est = estimate_memory(args.checkpoint, quantize=args.quantize, dtype=generation_dtype(precision=args.precision),
                           batch_size=args.batch_size, max_seq_length=args.max_seq_length,
                           prompt_length=args.prompt_length, max_memory=args.max_memory,
                           disk_offload=args.disk_offload or None, read_bandwidth=args.read_bandwidth,

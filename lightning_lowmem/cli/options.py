@@ -228,9 +228,10 @@ def config_argument(value: str | None) -> Any | None:
 
 
 def default_device(value: str | None) -> str:
-    """``--device``, or litgpt's default: cuda when there is one, else cpu."""
+    """``--device``, or litgpt's default: cuda when there is one, else cpu (the engine's
+    :func:`~lightning_lowmem.engine.defaults.default_device`)."""
     if value is not None:
         return value
-    import torch
+    from lightning_lowmem.engine.defaults import default_device as litgpt_default
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(litgpt_default())

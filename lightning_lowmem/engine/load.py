@@ -20,12 +20,14 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_lowmem.devices import check_device_available, cuda_or_none
-from lightning_lowmem.dtypes import supports_bf16
+from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
@@ -36,7 +38,7 @@ from lightning_lowmem.engine.report import LoadReport
 from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
 from lightning_lowmem.engine.shard_checks import check_sharded
 from lightning_lowmem.engine.route import Traits
-from lightning_lowmem.engine.stream import Transform, stream
+from lightning_lowmem.engine.stream import stream
 from lightning_lowmem.engine.whole_reads import whole_reads
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.checkpoint import headers_shared
@@ -44,9 +46,9 @@ from lightning_lowmem.formats.crc_pieces import check_unchecked
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.memory import MemoryMonitor, collector_paused
 from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
-from lightning_lowmem.placement import Architecture, MaxMemory, architecture_of
+from lightning_lowmem.placement import Architecture, architecture_of
 from lightning_lowmem.runtime import dispatch
-from lightning_lowmem.plan import Combine, KeyMap, LoadPlan
+from lightning_lowmem.plan import LoadPlan
 from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
 from lightning_lowmem.quiet import quietly
 
@@ -61,18 +63,7 @@ def load_checkpoint(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     quantize: str | QuantScheme | None = None,
-    skip_quantize: list[str] | str | None = None,
-    strict: bool | None = None,
-    key_map: KeyMap | None = None,
-    progress: bool | None = None,
-    max_memory: MaxMemory | None = None,
-    disk_offload: bool | None = None,
-    context: int | None = None,
-    transform: Transform | None = None,
-    combine: Combine | None = None,
-    mmap: bool | None = None,
-    prefer: str | None = None,
-    verify_weight_sets: bool | None = None,
+    **load_options: Any,
 ) -> LoadReport:
     """Stream ``checkpoint`` into ``module``, one tensor at a time.
 
@@ -84,11 +75,13 @@ def load_checkpoint(
             directory: see ``docs/loading.md``, "Which weights a path stands for"), or a
             :class:`Checkpoint` already open. HF and GGUF names are converted to the module's when the
             module is litgpt's ``GPT`` or a transformers model (the report's ``conversion`` says how).
-        options: :class:`~lightning_lowmem.LoadOptions`, where every option below is described;
-            the keyword arguments override the fields they name.
-        device, dtype, quantize, skip_quantize, strict, key_map, progress, max_memory, disk_offload, context,
-            transform, combine, mmap, prefer, verify_weight_sets: the fields of
-            :class:`~lightning_lowmem.LoadOptions`.
+        options: :class:`~lightning_lowmem.LoadOptions`, whose attributes describe every option; the keyword
+            arguments override the fields they name (None leaves a field as it is).
+        device: where the tensors go; default: where each tensor already is, or CPU for meta.
+        dtype: floating-point tensors are cast to it; default: each module tensor's dtype.
+        quantize: a scheme (``"bnb.nf4"``, ``BnbNF4(blocksize=128)``): each chosen Linear quantized as it is read.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword (``skip_quantize=``,
+            ``strict=``, ``key_map=``, ``max_memory=``, ``prefer=``, ...): see its attributes.
 
     Returns:
         A :class:`LoadReport`.
@@ -117,10 +110,8 @@ def load_checkpoint(
         >>> layer.weight.dtype, report.tensors, report.bytes_loaded
         (torch.bfloat16, 2, 20)
     """
-    options = LoadOptions.merge(options, device=device, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize,
-                                strict=strict, key_map=key_map, progress=progress, max_memory=max_memory,
-                                disk_offload=disk_offload, context=context, transform=transform, combine=combine,
-                                mmap=mmap, prefer=prefer, verify_weight_sets=verify_weight_sets)
+    options = LoadOptions.merge(options, load_checkpoint, device=device, dtype=dtype, quantize=quantize,
+                                **load_options)
     return run_load(module, checkpoint, options)
 
 
@@ -143,7 +134,7 @@ def run_load(module: nn.Module, checkpoint: str | Path | Checkpoint | Chosen, op
             whose precision casts the whole module (Lightning's).
     """
     check_device_available(options.device)  # before any I/O, and before the monitor touches torch.cuda
-    with MemoryMonitor(device=cuda_or_none(_watched(options))) as monitor, contextlib.ExitStack() as stack:
+    with MemoryMonitor(device=cuda_or_none(execution_device(options))) as monitor, contextlib.ExitStack() as stack:
         def open_and_prepare() -> tuple[PreparedLoad, Checkpoint]:
             source = stack.enter_context(resolved(checkpoint, module, options))
             with collector_paused():  # a record and a target per tensor, no garbage: see memory/collector.py
@@ -311,20 +302,13 @@ def _finish_report(report: LoadReport, monitor: MemoryMonitor) -> LoadReport:
     return report
 
 
-def _watched(options: LoadOptions) -> torch.device | None:
-    """The device whose memory the load's monitor watches (with max_memory: the execution device)."""
-    if options.budgets is not None:
-        return torch.device(options.budgets.execution_device)
-    return options.device
-
-
 def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype]) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
     dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps). What the
     architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.supports_bf16`).
+    (:func:`~lightning_lowmem.dtypes.fallback_dtype`).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -332,7 +316,5 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = dtypes.get(own, buf.dtype)
-            if cast == torch.bfloat16 and not supports_bf16(where):
-                cast = torch.float16
+            cast = fallback_dtype(dtypes.get(own, buf.dtype), where, warn=False)  # the tensors' fallback warned
             mod._buffers[name] = buf.to(device=where, dtype=cast)

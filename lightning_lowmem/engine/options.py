@@ -1,20 +1,24 @@
 """``LoadOptions``: how to load a checkpoint, validated once and accepted by every face.
 
-``load_checkpoint``, ``placement_plan``, ``estimate_memory``, ``generate``,
-``LowMemStrategy`` and ``LowMemCallback`` all take ``options=LoadOptions(...)``;
-their keyword arguments of the same names still work and override the fields
-they name (``None`` leaves a field as it is).
+``load_checkpoint``, ``placement_plan``, ``estimate_memory``, ``generate``, ``load_for_generation``,
+``LowMemStrategy``, ``LowMemFSDPStrategy`` and ``LowMemCallback`` all take ``options=LoadOptions(...)``, the
+keywords users pass most (``dtype``, ``quantize``, and ``device`` where the face has one) and any other field by
+name (``**load_options``); the keywords override the fields they name (``None`` leaves a field as it is). Each face
+merges them once, :meth:`LoadOptions.merge`, which names the face in the error for a keyword it does not take.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_lowmem.devices import as_device
 from lightning_lowmem.placement import Budgets, MaxMemory, parse_max_memory
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.quantize import QuantScheme, parse_scheme, parse_skip
@@ -98,7 +102,7 @@ class LoadOptions:
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
         if self.device is not None:
-            set_("device", torch.device(self.device))
+            set_("device", as_device(self.device))
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {self.dtype!r}.")
         set_("quantize", parse_scheme(self.quantize))
@@ -146,21 +150,65 @@ class LoadOptions:
         return self.quantize  # type: ignore[return-value]  (parsed in __post_init__)
 
     @classmethod
-    def merge(cls, options: LoadOptions | None = None, **overrides: Any) -> LoadOptions:
+    def merge(cls, options: LoadOptions | None = None, face: Callable[..., Any] | None = None,
+              **overrides: Any) -> LoadOptions:
         """``options`` (default: ``LoadOptions()``) with every keyword argument that is not None put in.
 
+        Args:
+            options: the options the keywords override.
+            face: the function or class whose keyword arguments ``overrides`` are (``load_checkpoint``,
+                ``LowMemStrategy``): an unknown keyword's error names it and its own keywords.
+            overrides: fields of :class:`LoadOptions` by name.
+
         Raises:
-            TypeError: a keyword that is not a field.
+            TypeError: a keyword that is not a field (the error names the face, a close match, the valid names).
+
+        Example::
+
+            >>> LoadOptions.merge(None, batch_size=2).batch_size
+            2
+            >>> LoadOptions.merge(None, quantise="bnb.nf4")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: LoadOptions.merge() got an unknown keyword argument 'quantise' (did you mean 'quantize'?)....
         """
         base = options if options is not None else cls()
         if not isinstance(base, LoadOptions):
             raise TypeError(f"options must be a LoadOptions, got {type(base).__name__}.")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(overrides) - fields)
+        unknown = sorted(set(overrides) - set(option_names()))
         if unknown:
-            raise TypeError(f"Unknown load options {unknown}; LoadOptions has {sorted(fields)}.")
+            raise TypeError(unknown_keywords(unknown, face))
         changes = {name: value for name, value in overrides.items() if value is not None}
         return dataclasses.replace(base, **changes) if changes else base
+
+
+def option_names() -> tuple[str, ...]:
+    """The fields of :class:`LoadOptions`, in their order: the load options every face takes by name."""
+    return tuple(f.name for f in dataclasses.fields(LoadOptions))
+
+
+def own_keywords(face: Callable[..., Any]) -> tuple[str, ...]:
+    """The keyword arguments ``face`` (a function, or a class: its constructor) takes that are not load options:
+    its own (``init_added``, ``max_new_tokens``, Lightning's strategy arguments) and ``options``."""
+    fields = set(option_names())
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in inspect.signature(face).parameters.items()
+                 if p.kind in kinds and name not in fields)
+
+
+def unknown_keywords(names: Sequence[str], face: Callable[..., Any] | None) -> str:
+    """The message for keywords ``face`` does not take: each with its closest valid name, then the valid names."""
+    fields = option_names()
+    own = own_keywords(face) if face is not None else ()
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, (*own, *fields), n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    who = f"{getattr(face, '__qualname__', face)}()" if face is not None else "LoadOptions.merge()"
+    plural = "s" if len(names) > 1 else ""
+    takes = f"its own arguments {', '.join(own)} and " if own else ""
+    return (f"{who} got {'an ' if not plural else ''}unknown keyword argument{plural} {', '.join(hints)}. It takes "
+            f"{takes}any LoadOptions field by name: {', '.join(fields)} (see LoadOptions' attributes for each).")
 
 
 def _is_int(value: object) -> bool:

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,14 +24,15 @@ from torch import nn
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.runtime.disk_units import check_streamable
 from lightning_lowmem.runtime.execution import ExecutionPlan
+from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.engine.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
 from lightning_lowmem.meta import owner_of
-from lightning_lowmem.plan import Combine, KeyMap, LoadPlan, apply_key_map, guess_prefix, make_plan, module_records
+from lightning_lowmem.plan import Combine, LoadPlan, apply_key_map, guess_prefix, make_plan, module_records
 from lightning_lowmem.plan.conversions import Transform
-from lightning_lowmem.quantize import Selection, select_linears
+from lightning_lowmem.quantize import QuantScheme, Selection, select_linears
 from lightning_lowmem.quantize.stored import mark_stored
 from lightning_lowmem.quiet import quietly
 
@@ -118,15 +120,13 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
                      combine=source.combine, stored=stored.weights or None, files=source.description, dtypes=dtypes)
     if check_keys:
         plan.check_keys(strict=options.strict is not False)
-    prepared = PreparedLoad(module, options, plan, source, device=options.device or torch.device("cpu"),
-                            dtypes=dtypes)
+    prepared = PreparedLoad(module, options, plan, source, device=execution_device(options, "cpu"), dtypes=dtypes)
     if stored:
         prepared.selection = mark_stored(module, plan, stored)
     elif options.scheme is not None:
         prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize)
     if options.budgets is not None:
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
-        prepared.device = torch.device(prepared.placement.execution_device)
         if prepared.placement.on_disk:
             check_streamable(plan, prepared.placement, source.description)
     prepared.execution = ExecutionPlan.of(plan, prepared.placement, prepared.device)
@@ -172,18 +172,12 @@ def placement_plan(
     max_memory: MaxMemory | None = None,
     *,
     options: LoadOptions | None = None,
-    context: int | None = None,
-    batch_size: int | None = None,
     dtype: torch.dtype | None = None,
-    quantize: str | None = None,
-    skip_quantize: list[str] | str | None = None,
-    key_map: KeyMap | None = None,
-    strict: bool | None = None,
-    combine: Combine | None = None,
+    quantize: str | QuantScheme | None = None,
     kv_cache_bytes: int | None = None,
     activation_bytes: int | None = None,
-    disk_offload: bool | None = None,
     read_bandwidth: float | None = None,
+    **load_options: Any,
 ) -> PlacementPlan:
     """Where each layer of ``module`` would go under ``max_memory``, without reading any weights.
 
@@ -196,17 +190,17 @@ def placement_plan(
             records, or None to size the module's own tensors.
         max_memory: device -> budget (int bytes or ``'6GiB'``); at most one accelerator, plus ``'cpu'``
             for the offloaded layers. May come in ``options`` instead.
-        options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
-        context: tokens of KV cache to reserve (prompt + max_new_tokens); None reserves none and
-            sizes activations for one token.
-        batch_size: sequences per forward.
+        options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         dtype: the dtype floating tensors are loaded in (default: each tensor's own).
-        quantize, skip_quantize, key_map, strict, combine: as in :func:`lightning_lowmem.load_checkpoint`.
+        quantize: as in :func:`lightning_lowmem.load_checkpoint`.
         kv_cache_bytes, activation_bytes: override the model architecture's estimates.
-        disk_offload: layers that fit no budget stay in the checkpoint file (``plan.on_disk``), read for each
-            forward: ``plan.disk_read_bytes`` per token.
         read_bandwidth: bytes per second the file is read at, for ``plan.seconds_per_token()`` (the plan's
             table shows it); ``estimate_memory`` measures it when not given.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes.
+            ``context``: tokens of KV cache to reserve (prompt + max_new_tokens; None reserves none and sizes
+            activations for one token); ``batch_size``: sequences per forward; ``disk_offload``: layers that fit no
+            budget stay in the checkpoint file (``plan.on_disk``), read for each forward: ``plan.disk_read_bytes``
+            per token.
 
     Raises:
         MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
@@ -221,9 +215,8 @@ def placement_plan(
         >>> [layer.device for layer in plan.layers]
         ['cuda:0', 'cpu', 'cpu', 'cpu']
     """
-    options = LoadOptions.merge(options, max_memory=max_memory, context=context, batch_size=batch_size,
-                                dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
-                                strict=strict, combine=combine, disk_offload=disk_offload)
+    options = LoadOptions.merge(options, placement_plan, max_memory=max_memory, dtype=dtype, quantize=quantize,
+                                **load_options)
     if options.budgets is None:
         raise ValueError("placement_plan needs max_memory (here or in options), "
                          "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")

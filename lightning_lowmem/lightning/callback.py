@@ -15,7 +15,7 @@ are initialized and train, and Lightning checkpoints hold only what trains
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,7 @@ from lightning_lowmem.lightning.load import TRAINER_LOG, LightningLoader
 from lightning_lowmem.lightning.state import module_to_device_skipping_meta
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.meta import has_meta, init_empty
-from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.plan import KeyMap
+from lightning_lowmem.quantize import QuantScheme
 from lightning_lowmem.runtime import Offload, move_except_offloaded
 
 
@@ -45,13 +44,13 @@ class LowMemCallback(pl.Callback):
     Args:
         checkpoint: anything :func:`~lightning_lowmem.load_checkpoint` reads.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
-            ``quantize`` (``"bnb.nf4"`` for QLoRA) works on CPU and CUDA; ``dtype`` defaults to the
-            Trainer's ``"bf16-true"``/``"16-true"`` dtype, else the dtype the model was built with;
-            ``strict`` (default True) fails on checkpoint keys with no place in the module and on module
-            tensors missing from the checkpoint, except the trainable parameters the module adds (they
-            are initialized).
-        quantize, skip_quantize, dtype, strict, key_map, progress, max_memory, disk_offload, context: the fields of
-            :class:`~lightning_lowmem.LoadOptions`.
+            Its ``device`` must be None: the Trainer picks the device (``ValueError`` otherwise).
+        dtype: what weights are cast to; default: the Trainer's ``"bf16-true"``/``"16-true"`` dtype, else the
+            dtype the model was built with.
+        quantize: a scheme (``"bnb.nf4"`` for QLoRA); works on CPU and CUDA.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes.
+            ``strict`` (default True) fails on checkpoint keys with no place in the module and on module tensors
+            missing from the checkpoint, except the trainable parameters the module adds (they are initialized).
         save_frozen: keep the frozen weights loaded from ``checkpoint`` in Lightning checkpoints.
             Default False: checkpoints hold what trains, and a run restored from one
             (``ckpt_path=...``) gets the frozen weights from ``checkpoint`` again.
@@ -67,22 +66,19 @@ class LowMemCallback(pl.Callback):
         checkpoint: str | Path,
         *,
         options: LoadOptions | None = None,
-        quantize: str | None = None,
-        skip_quantize: Sequence[str] | str | None = None,
         dtype: torch.dtype | None = None,
-        strict: bool | None = None,
-        key_map: KeyMap | None = None,
+        quantize: str | QuantScheme | None = None,
         save_frozen: bool = False,
-        progress: bool | None = None,
-        max_memory: MaxMemory | None = None,
-        disk_offload: bool | None = None,
-        context: int | None = None,
+        **load_options: Any,
     ) -> None:
+        options = LoadOptions.merge(options, type(self), dtype=dtype, quantize=quantize, **load_options)
+        if options.device is not None:
+            raise ValueError(
+                f"{type(self).__name__} loads onto the Trainer's device (trainer.strategy.root_device), which "
+                f"L.Trainer(accelerator=..., devices=...) picks; device={str(options.device)!r} cannot be honoured "
+                "here. Drop device= (from the options too), and pick the device on the Trainer.")
         self.checkpoint = checkpoint
-        self.loader = LightningLoader(LoadOptions.merge(
-            options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype, strict=strict, key_map=key_map,
-            progress=progress, max_memory=max_memory, disk_offload=disk_offload, context=context),
-            logger=TRAINER_LOG, face=type(self).__name__)
+        self.loader = LightningLoader(options, logger=TRAINER_LOG, face=type(self).__name__)
         self.save_frozen = save_frozen
         self._loaded: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._frozen: set[str] = set()  # frozen parameters (and quantized modules) that came from `checkpoint`

@@ -17,7 +17,7 @@ into them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -32,14 +32,13 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_lowmem.engine import LoadOptions, LoadReport, allocate_shards, quantize_for_sharding
-from lightning_lowmem.engine.stream import Transform
+from lightning_lowmem.engine import LoadOptions, allocate_shards, quantize_for_sharding
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.fsdp_load import guard_unfilled, load_full_checkpoint, unfilled
 from lightning_lowmem.lightning.load import FABRIC_LOG, LightningLoader, LoaderOwner
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
 from lightning_lowmem.placement import architecture_of, shard_model
-from lightning_lowmem.plan import Combine, KeyMap
+from lightning_lowmem.quantize import QuantScheme
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 
 _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path, model) or fabric.load), or, for a "
@@ -68,10 +67,12 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
             default ``parallelize_fn`` and both ``"auto"``: every rank shards (data parallel = world size).
         save_distributed_checkpoint, process_group_backend, timeout: as for ``ModelParallelStrategy``.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
-            ``quantize`` only ``"torchao.nf4"`` (others cannot be sharded); ``max_memory`` is not supported.
-        quantize, skip_quantize, dtype, strict, key_map, progress, transform, combine: the fields of
-            :class:`~lightning_lowmem.LoadOptions`.
+            ``max_memory`` and ``device`` are not supported (``ValueError``): each rank holds its shard on its own
+            device.
+        dtype: what weights are cast to; default: the precision plugin's dtype.
+        quantize: only ``"torchao.nf4"`` (other schemes cannot be sharded).
         init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters).
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes.
     """
 
     strategy_name = "lowmem_fsdp"
@@ -86,24 +87,21 @@ class LowMemFSDPStrategy(LoaderOwner, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         *,
         options: LoadOptions | None = None,
-        quantize: str | None = None,
-        skip_quantize: Sequence[str] | str | None = None,
         dtype: torch.dtype | None = None,
-        strict: bool | None = None,
-        key_map: KeyMap | None = None,
-        progress: bool | None = None,
-        transform: Transform | None = None,
-        combine: Combine | None = None,
+        quantize: str | QuantScheme | None = None,
         init_added: bool = True,
+        **load_options: Any,
     ) -> None:
         super().__init__(parallelize_fn or shard_model, data_parallel_size, tensor_parallel_size,
                          save_distributed_checkpoint, process_group_backend, timeout)
-        options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
-                                    strict=strict, key_map=key_map, progress=progress, transform=transform,
-                                    combine=combine)
+        options = LoadOptions.merge(options, type(self), dtype=dtype, quantize=quantize, **load_options)
         if options.max_memory is not None:
             raise ValueError("LowMemFSDPStrategy shards the model across ranks; max_memory (offload) is not "
                              "supported with it. Leave max_memory unset, or use strategy='lowmem' on one device.")
+        if options.device is not None:
+            raise ValueError(f"LowMemFSDPStrategy puts each rank on its own device, which Fabric(accelerator=..., "
+                             f"devices=...) picks; device={str(options.device)!r} cannot be honoured here. Drop "
+                             "device= (from the options too).")
         self._default_layout = parallelize_fn is None
         self.loader = LightningLoader(options, init_added=init_added, logger=FABRIC_LOG, face=type(self).__name__)
 

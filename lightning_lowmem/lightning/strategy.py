@@ -15,7 +15,7 @@ final model plus one tensor in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,6 @@ from typing_extensions import override
 
 from lightning_lowmem.devices import indexed
 from lightning_lowmem.engine import LoadOptions, LoadReport, opened
-from lightning_lowmem.engine.stream import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.saving import module_state
 from lightning_lowmem.saving.atomic_file import replace_file
@@ -46,9 +45,7 @@ from lightning_lowmem.lightning.state import (
     weights_key,
 )
 from lightning_lowmem.meta import check_meta_at_first_forward, init_empty
-from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.plan import Combine, KeyMap
-from lightning_lowmem.quantize import scheme_of
+from lightning_lowmem.quantize import QuantScheme, scheme_of
 
 
 _META_ADVICE = ("Load its weights before the first forward (fabric.load_raw(path, model) or fabric.load), or, for "
@@ -86,15 +83,16 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
             flags choose.
         accelerator, checkpoint_io, precision: as for Lightning's ``SingleDeviceStrategy``.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments below override its fields.
-            ``dtype`` defaults to the precision plugin's dtype for ``"bf16-true"``/``"16-true"``/``"64-true"``,
-            else the dtype the model was built with; ``strict`` None lets each ``load``/``load_raw`` call's
-            ``strict`` decide. ``quantize`` works on CPU and CUDA, unlike ``BitsandbytesPrecision``.
-        quantize, skip_quantize, dtype, strict, key_map, progress, transform, combine, max_memory, disk_offload,
-            context: the fields of :class:`~lightning_lowmem.LoadOptions`. With ``disk_offload``, the layers left in
-            the checkpoint file are read for each forward (inference only: setting up an optimizer raises; run
-            forwards under ``torch.no_grad()``); ``strategy.reports[-1].disk`` holds them and the open file.
+        dtype: what weights are cast to; default: the precision plugin's dtype for
+            ``"bf16-true"``/``"16-true"``/``"64-true"``, else the dtype the model was built with.
+        quantize: a scheme (``"bnb.nf4"``); works on CPU and CUDA, unlike ``BitsandbytesPrecision``.
         init_added: initialize trainable parameters the checkpoint lacks (LoRA adapters); False for
             inference, where anything the checkpoint lacks is an error.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes.
+            ``strict`` None (the default) lets each ``load``/``load_raw`` call's ``strict`` decide. With
+            ``disk_offload``, the layers left in the checkpoint file are read for each forward (inference only:
+            setting up an optimizer raises; run forwards under ``torch.no_grad()``); ``strategy.reports[-1].disk``
+            holds them and the open file.
 
     Example::
 
@@ -117,23 +115,12 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
         precision: Precision | None = None,
         *,
         options: LoadOptions | None = None,
-        quantize: str | None = None,
-        skip_quantize: Sequence[str] | str | None = None,
         dtype: torch.dtype | None = None,
-        strict: bool | None = None,
-        key_map: KeyMap | None = None,
-        progress: bool | None = None,
-        transform: Transform | None = None,
-        combine: Combine | None = None,
-        max_memory: MaxMemory | None = None,
-        disk_offload: bool | None = None,
-        context: int | None = None,
+        quantize: str | QuantScheme | None = None,
         init_added: bool = True,
+        **load_options: Any,
     ) -> None:
-        options = LoadOptions.merge(options, quantize=quantize, skip_quantize=skip_quantize, dtype=dtype,
-                                    strict=strict, key_map=key_map, progress=progress, transform=transform,
-                                    combine=combine, max_memory=max_memory, disk_offload=disk_offload,
-                                    context=context)
+        options = LoadOptions.merge(options, type(self), dtype=dtype, quantize=quantize, **load_options)
         device = device if device is not None else options.device
         device = indexed(device) if device is not None else None
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,

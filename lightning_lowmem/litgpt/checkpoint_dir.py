@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
+from lightning_lowmem.engine.defaults import compute_dtype, execution_device
 from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
@@ -172,16 +172,16 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
 
     from lightning_lowmem.lightning.strategy import LowMemStrategy
 
-    device = options.device or (torch.device(options.budgets.execution_device) if options.budgets else None)
-    if device is None or options.dtype is None:
+    device, dtype = execution_device(options), compute_dtype(options)  # bf16 -> fp16 on a device without bf16
+    if device is None or dtype is None:
         raise ValueError("load_litgpt needs the device and dtype decided (generation_options decides them).")
     fabric = L.Fabric(accelerator=device.type, devices=1, strategy=LowMemStrategy(device=device),
-                      precision=precision_flag(options.dtype))
+                      precision=precision_flag(dtype))
     with fabric.init_module():  # the precision's default dtype for what GPT builds; build_meta_gpt: all on meta
         model = build_meta_gpt(checkpoint.config)
     report = run_load(model, checkpoint.chosen, options)
     model = fabric.setup_module(model).eval()
-    if generation_rope_dtype(options.dtype, options.scheme) != options.dtype:  # as litgpt's generate leaves them
+    if generation_rope_dtype(dtype, options.scheme) != dtype:  # as litgpt's generate leaves them
         LITGPT.reset_buffers(model, device)
     return model, report
 

@@ -11,13 +11,13 @@ own builders.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import (
     CPU_RUNTIME,
     LoadOptions,
@@ -28,6 +28,7 @@ from lightning_lowmem.engine import (
     records_source,
     resolved,
 )
+from lightning_lowmem.engine.defaults import default_device, execution_device, generation_dtype
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt
@@ -36,8 +37,7 @@ from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.litgpt.rope import generation_rope_dtype
 from lightning_lowmem.formats.read_speed import measure_read_speed
 from lightning_lowmem.memory import format_bytes
-from lightning_lowmem.placement import MaxMemory, PlacementPlan, build_meta_model
-from lightning_lowmem.plan import KeyMap
+from lightning_lowmem.placement import PlacementPlan, build_meta_model
 from lightning_lowmem.quantize import QuantScheme
 from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 
@@ -46,18 +46,14 @@ def estimate_memory(
     source: str | Path | Any,
     *,
     options: LoadOptions | None = None,
-    quantize: str | QuantScheme | None = None,
-    skip_quantize: list[str] | str | None = None,
     dtype: torch.dtype | None = None,
-    batch_size: int | None = None,
+    quantize: str | QuantScheme | None = None,
     max_seq_length: int | None = None,
     prompt_length: int | None = None,
     config: Any | None = None,
-    key_map: KeyMap | None = None,
     runtime: int = CPU_RUNTIME,
-    max_memory: MaxMemory | None = None,
-    disk_offload: bool | None = None,
     read_bandwidth: float | None = None,
+    **load_options: Any,
 ) -> MemoryEstimate:
     """Estimate the memory of loading ``source`` and generating from it, reading headers only.
 
@@ -68,22 +64,23 @@ def estimate_memory(
             its HF ``config.json`` (a GGUF file's: built from its metadata; the tokenizer its vocabulary becomes is
             counted too); without one, Linear weights are guessed from key names and caches are not estimated.
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
-        quantize / skip_quantize / key_map / max_memory: as :func:`~lightning_lowmem.load_checkpoint`.
-            With ``max_memory`` (needs a litgpt config) the estimate carries the placement plan the load
-            would make, and raises ``MemoryBudgetError`` as the load would.
-        dtype: the weights' and caches' dtype (``generate``'s ``precision``); default bf16.
-        batch_size: sequences generated at once (default 1).
+        dtype: the weights' and caches' dtype (``generate``'s ``precision``); default bf16, as ``generate``'s.
+        quantize: as :func:`~lightning_lowmem.load_checkpoint`.
         max_seq_length: positions to hold: prompt + max_new_tokens; default: the model's block size.
         prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length``.
         config: the litgpt config of a checkpoint without ``model_config.yaml``: a litgpt model name
             (``"pythia-1b"``), a ``Config``, or the path of a ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
-        disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file: the estimate
-            says which (``est.placement.on_disk``), the bytes each token reads (``est.disk_read``) and the seconds
-            that takes (``est.seconds_per_token``) before anything is loaded.
         read_bandwidth: bytes per second the checkpoint file is read at; default: measured on the file
             (:func:`~lightning_lowmem.formats.read_speed.measure_read_speed`: O_DIRECT, the storage, not the page
             cache) when layers are on disk; a litgpt config or name has no file to measure.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes.
+            ``batch_size``: sequences generated at once (default 1). With ``max_memory`` (needs a litgpt config) the
+            estimate carries the placement plan the load would make, and raises ``MemoryBudgetError`` as the load
+            would; with ``disk_offload`` too, it says which layers stay in the file (``est.placement.on_disk``), the
+            bytes each token reads (``est.disk_read``) and the seconds that takes (``est.seconds_per_token``).
+            ``device``: where the generation would run (default: cuda when there is one), for the notes. Keys are
+            never checked (``strict`` is False): the estimate reads no weight.
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
@@ -99,9 +96,8 @@ def estimate_memory(
         True
     """
     import_litgpt(needed_by="lightning_lowmem.estimate_memory()")  # its model is litgpt's GPT
-    dtype = load_dtype(dtype or (options.dtype if options is not None else None), None, torch.bfloat16)
-    options = LoadOptions.merge(options, dtype=dtype, quantize=quantize, skip_quantize=skip_quantize, key_map=key_map,
-                                max_memory=max_memory, disk_offload=disk_offload, batch_size=batch_size, strict=False)
+    options = LoadOptions.merge(options, estimate_memory, dtype=dtype, quantize=quantize, **load_options)
+    options = dataclasses.replace(options, dtype=generation_dtype(options.dtype), strict=False)
     with contextlib.ExitStack() as stack:
         model, source, name, tokenizer = _model_and_source(source, config, options, stack)
         is_litgpt = _is_config(getattr(model, "config", None))
@@ -129,17 +125,9 @@ def estimate_memory(
         est.notes.append(f"no litgpt config: KV cache, mask, RoPE and activations not estimated; {built}")
     if note:
         est.notes.append(note)
-    if speed := cpu_speed_note(options.quantize, _runs_on(options)):
+    if speed := cpu_speed_note(options.quantize, execution_device(options, default_device())):
         est.notes.append(speed)
     return est
-
-
-def _runs_on(options: LoadOptions) -> torch.device:
-    """Where the estimated generation runs: the budgets' execution device, ``options.device``, else cuda when there
-    is one (as the command line's default)."""
-    if options.budgets is not None:
-        return torch.device(options.budgets.execution_device)
-    return torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: float | None) -> str:

@@ -22,16 +22,15 @@ import torch
 from torch import nn
 
 from lightning_lowmem.devices import cuda_or_none
-from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport
+from lightning_lowmem.engine.defaults import execution_device, generation_dtype
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt.prompt_style import styled_prompt
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
-from lightning_lowmem.placement import MaxMemory
-from lightning_lowmem.quantize import module_nbytes
+from lightning_lowmem.quantize import QuantScheme, module_nbytes
 from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
 from lightning_lowmem.quiet import quietly
@@ -102,46 +101,44 @@ class GenerateResult:
         return total / sum(self.seconds) if self.seconds and sum(self.seconds) > 0 else 0.0
 
 
-def generation_options(options: LoadOptions | None, precision: str | None, **overrides: Any) -> LoadOptions:
-    """The load options of a generation, built once: ``options`` with the keyword arguments put in, and the dtype
-    decided by :func:`~lightning_lowmem.dtypes.load_dtype` (``options.dtype``, else ``precision``, litgpt's
-    ``--precision``, else bf16), and the device (``device``, else ``options.device``, else the CPU; with
-    ``max_memory``, the placement's execution device instead)."""
-    given = options.dtype if options is not None else None
-    options = LoadOptions.merge(options, **{k: v for k, v in overrides.items() if k != "device"},
-                                dtype=load_dtype(given, precision, torch.bfloat16))
-    device = overrides.get("device") or options.device
+def generation_options(options: LoadOptions | None, precision: str | None, face: Any = None, /, *,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       **overrides: Any) -> LoadOptions:
+    """The load options of a generation, built once: ``options`` with the keyword arguments put in (an unknown one a
+    ``TypeError`` naming ``face``), the dtype :func:`~lightning_lowmem.engine.defaults.generation_dtype` (``dtype``,
+    else ``options.dtype``, else ``precision``, litgpt's ``--precision``, else bf16), and the device (``device``, else
+    ``options.device``, else the CPU; with ``max_memory``, the placement's execution device instead)."""
+    given = dtype or (options.dtype if options is not None else None)
+    options = LoadOptions.merge(options, face, **overrides, dtype=generation_dtype(given, precision))
+    device = device or options.device
     if options.budgets is not None:
-        if device is not None and torch.device(device).type != torch.device(options.budgets.execution_device).type:
+        if device is not None and torch.device(device).type != execution_device(options).type:
             raise ValueError(f"device={str(device)!r} and max_memory (whose layers run on "
                              f"{options.budgets.execution_device!r}) disagree: pass one of them.")
         return options
     return LoadOptions.merge(options, device=device or "cpu")
 
 
-def execution_device(options: LoadOptions) -> torch.device:
-    """Where a generation loaded with ``options`` runs: ``max_memory``'s execution device, else ``options.device``."""
-    if options.budgets is not None:
-        return torch.device(options.budgets.execution_device)
-    return torch.device(options.device or "cpu")
-
-
 def load_for_generation(
     checkpoint_dir: str | Path | LitgptCheckpoint,
     *,
     options: LoadOptions | None = None,
-    quantize: str | None = None,
-    precision: str | None = None,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    quantize: str | QuantScheme | None = None,
+    precision: str | None = None,
     config: Any | None = None,
-    max_memory: MaxMemory | None = None,
-    disk_offload: bool | None = None,
+    **load_options: Any,
 ) -> tuple[nn.Module, Any | None, LoadReport]:
     """:func:`generate`'s load step on its own: ``(model, tokenizer, report)``. ``checkpoint_dir`` is a path, or
     what :meth:`LitgptCheckpoint.find` found there. With layers left on disk, ``report.disk`` reads them for each
-    forward while the model lives (``report.disk.close()`` ends that)."""
-    options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
-                                 disk_offload=disk_offload)
+    forward while the model lives (``report.disk.close()`` ends that).
+
+    ``options``, ``device``, ``dtype``, ``quantize``, ``precision`` and ``config`` are :func:`generate`'s; any other
+    :class:`~lightning_lowmem.LoadOptions` field as a keyword (``max_memory=``, ``disk_offload=``, ...): see its
+    attributes."""
+    options = generation_options(options, precision, load_for_generation, device=device, dtype=dtype,
+                                 quantize=quantize, **load_options)
     checkpoint = _found(checkpoint_dir, config, options)
     model, report = load_litgpt(checkpoint, options)
     return model, checkpoint.tokenizer, report
@@ -181,22 +178,22 @@ def generate(
     prompt: str | list[int] | torch.Tensor,
     *,
     options: LoadOptions | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    quantize: str | QuantScheme | None = None,
+    precision: str | None = None,
     max_new_tokens: int = 50,
     temperature: float = 0.8,
     top_k: int | None = 50,
     top_p: float = 1.0,
-    quantize: str | None = None,
-    precision: str | None = None,
     num_samples: int = 1,
-    device: torch.device | str | None = None,
     config: Any | None = None,
     tokenizer: Any | None = None,
     seed: int | None = 1234,
-    max_memory: MaxMemory | None = None,
-    disk_offload: bool | None = None,
     compile: bool = False,
     sys_prompt: str | None = None,
     prompt_style: Any = "auto",
+    **load_options: Any,
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
 
@@ -209,22 +206,17 @@ def generate(
             ``'1 2 3'``). Text is put in the checkpoint's prompt style first, as ``lightning-lowmem generate``
             and ``litgpt generate`` do (``prompt_style``). It is encoded, and prompt + ``max_new_tokens`` checked
             against the block size, before any weight is read.
-        options: :class:`~lightning_lowmem.LoadOptions` for the load; ``quantize``, ``device`` and
-            ``precision`` override its fields.
-        max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
+        options: :class:`~lightning_lowmem.LoadOptions` for the load; the keywords below override its fields.
+        device: where the model runs; default CPU (with ``max_memory``: its execution device).
+        dtype: the dtype of the load; default: ``precision``'s, else bf16 (a device without bf16 computes in fp16).
         quantize: ``'bnb.nf4'`` etc., applied while loading (see :func:`~lightning_lowmem.load_checkpoint`).
-        precision: ``'bf16-true'`` (default), ``'16-true'`` or ``'32-true'``: the dtype of the load.
+        precision: ``'bf16-true'`` (default), ``'16-true'`` or ``'32-true'``: litgpt's spelling of ``dtype``.
+        max_new_tokens / temperature / top_k / top_p: as litgpt's ``generate``; ``temperature=0`` is greedy.
         num_samples: samples generated one after another, reusing the caches.
-        device: where the model runs; default CPU.
         config: a litgpt config overriding the directory's: a litgpt model name (``"pythia-1b"``), a ``Config``,
             or the path of a ``model_config.yaml`` (``TypeError`` for anything else).
         tokenizer: a litgpt ``Tokenizer`` for a model passed in directly.
         seed: seeds torch before sampling (litgpt's CLI uses 1234); None leaves the RNG alone.
-        max_memory: device budgets instead of ``device`` (see :class:`~lightning_lowmem.LoadOptions`); the
-            placement reserves the KV caches of this request (prompt + ``max_new_tokens``).
-        disk_offload: with ``max_memory``, the layers that fit no budget stay in the checkpoint file and are
-            read for each token's forward, the next one read while this one computes; the caches stay in memory.
-            The file is closed when the generation ends.
         compile: compile the decode step, as ``litgpt generate --compile`` does (``mode="reduce-overhead"`` on
             CUDA), for caches of any length: the first sample pays the compile, requests of other lengths reuse it,
             the tokens and the caches' bytes are those without compile. Layers offloaded or on disk decode
@@ -234,6 +226,10 @@ def generate(
             GGUF file's chat template, else litgpt's style for the config's name;
             :mod:`~lightning_lowmem.litgpt.prompt_style`); None: the text as given; a litgpt style's name
             (``"alpaca"``) or a ``litgpt.prompts.PromptStyle``. Token ids are never styled.
+        load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes. With
+            ``max_memory`` (budgets instead of ``device``) the placement reserves this request's KV caches (prompt +
+            ``max_new_tokens``); with ``disk_offload`` too, the layers that fit no budget are read from the file for
+            each token's forward, and the file is closed when the generation ends.
 
     Returns:
         A :class:`GenerateResult`: tokens, texts, timings and a memory summary.
@@ -254,9 +250,9 @@ def generate(
     # imported before the monitor starts: its import is no model memory
     import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
 
-    options = generation_options(options, precision, quantize=quantize, device=device, max_memory=max_memory,
-                                 disk_offload=disk_offload)
-    if note := cpu_speed_note(options.quantize, execution_device(options), compiled=compile):
+    options = generation_options(options, precision, generate, device=device, dtype=dtype, quantize=quantize,
+                                 **load_options)
+    if note := cpu_speed_note(options.quantize, execution_device(options, "cpu"), compiled=compile):
         log.warning(note)
     found = None if isinstance(checkpoint, nn.Module) else _found(checkpoint, config, options)
     tokenizer = tokenizer or getattr(found, "tokenizer", None)  # loaded before the monitor too
@@ -268,14 +264,14 @@ def generate(
         check_length(ids.numel() + max_new_tokens, found.config.block_size)
     if options.budgets is not None and options.context is None:  # the placement holds this request's caches
         options = LoadOptions.merge(options, context=ids.numel() + max_new_tokens)
-    with MemoryMonitor(device=cuda_or_none(execution_device(options))) as monitor:
+    with MemoryMonitor(device=cuda_or_none(execution_device(options, "cpu"))) as monitor:
         report = None
         if found is None:
             model = unwrap_model(checkpoint)
         else:
             model, report = load_litgpt(found, options)
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
-            device = execution_device(options) if report is not None else next(model.parameters()).device
+            device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
             with compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext():
                 _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,

@@ -81,6 +81,7 @@ def test_merge_puts_in_the_keywords_that_are_not_none():
     assert LoadOptions.merge(base, dtype=None, quantize=None) is base  # nothing to put in
     assert LoadOptions.merge(None, batch_size=2) == LoadOptions(batch_size=2)
     assert LoadOptions.merge(None) == LoadOptions()
+    assert LoadOptions.merge(options=base, batch_size=2) == LoadOptions.merge(base, batch_size=2)  # options= by name
 
 
 def test_merge_validates_what_it_puts_in_and_refuses_unknown_keywords():
@@ -89,7 +90,7 @@ def test_merge_validates_what_it_puts_in_and_refuses_unknown_keywords():
         LoadOptions.merge(base, quantize="bnb.nf5")
     with pytest.raises(ValueError, match="not both"):
         LoadOptions.merge(base, device="cpu")
-    with pytest.raises(TypeError, match=r"Unknown load options \['colour'\]"):
+    with pytest.raises(TypeError, match=r"LoadOptions.merge\(\) got an unknown keyword argument 'colour'"):
         LoadOptions.merge(base, colour="red")
     with pytest.raises(TypeError, match="options must be a LoadOptions"):
         LoadOptions.merge({"dtype": torch.bfloat16})
