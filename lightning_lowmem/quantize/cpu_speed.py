@@ -15,12 +15,14 @@ import torch
 
 from lightning_lowmem.quantize.schemes import QuantScheme, parse_scheme
 
-MEASURED = "pythia-1b's config, 2-core x86_64 CPU, torch 2.13, bitsandbytes 0.50.2, torchao 0.18; docs/benchmarks.md"
-"""Where :data:`CPU_DECODE` was measured (there: random weights, a 16-token prompt and 10 greedy tokens, batch 1, on a
-CPU shared with other work; the median of the same-round ratios of 3 rounds)."""
+MEASURED = "benchmarks/generate_speed.py on a quiet 2-core x86_64 CPU; docs/benchmarks.md"
+"""Where :data:`CPU_DECODE` was measured: said in each note."""
 
 CPU_DECODE: dict[tuple[str, bool], float] = {}
-"""``(scheme, compiled)`` -> decode tokens/s over bf16's (bf16 with the same ``compiled``), as measured."""
+"""``(scheme, compiled)`` -> decode tokens/s over bf16's (bf16 with the same ``compiled``), as measured: the median
+of the same-round ratios of ``benchmarks/generate_speed.py``'s best decode steps, on a machine no other work shares.
+Empty: the only run so far (docs/benchmarks.md, "Generation speed") shared its two cores with other work and its
+rounds disagreed by up to 40x for one method, so none of its ratios is told to a user."""
 
 SLOW = 0.5
 """A scheme decoding at under this fraction of bf16's speed is called out."""

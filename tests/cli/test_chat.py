@@ -40,6 +40,7 @@ def test_no_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_
     assert "No tokenizer in" in capsys.readouterr().err and read_recorder.keys == []
 
 
+@pytest.mark.slow
 def test_the_same_replies_with_the_layers_on_disk(run_cli, chat_model_dir):
     flags = ["chat", chat_model_dir, "--max_new_tokens", "12", "--top_k", "1"]
     in_memory = run_cli(*flags, stdin=TURNS)

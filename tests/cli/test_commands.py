@@ -32,6 +32,7 @@ def test_help_shows_an_example(run_cli, argv):
         assert f"lightning-lowmem {command}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_generate_and_chat_take_litgpts_flags(run_cli):
     for command in ("generate", "chat"):
         usage = run_cli(command, "--help").stdout
@@ -42,6 +43,7 @@ def test_generate_and_chat_take_litgpts_flags(run_cli):
     assert "--multiline" in run_cli("chat", "--help").stdout
 
 
+@pytest.mark.slow
 def test_no_subcommand_or_a_bad_flag_is_exit_2(run_cli):
     bare = run_cli()
     assert bare.returncode == 2 and "estimate" in bare.stderr
@@ -58,6 +60,7 @@ def test_importing_the_command_line_imports_neither_litgpt_nor_lightning(child_e
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
 
 
+@pytest.mark.slow
 def test_errors_speak_in_flags_not_python_keywords(run_cli, tmp_path, tiny_config, write_litgpt_dir):
     past = run_cli("estimate", "pythia-14m", "--max_seq_length", "4096")
     assert past.returncode == 2 and "--max_seq_length 4096 is past" in past.stderr

@@ -31,6 +31,7 @@ def test_past_the_block_size_is_a_bad_argument(run_cli):
     assert "ValueError: --max_seq_length 4096 is past the model's block size (2048)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_table_and_placement_of_a_checkpoint(run_cli, tmp_path, tiny_config, write_litgpt_dir):
     from lightning_lowmem import estimate_memory
 
@@ -61,6 +62,7 @@ def test_errors_are_one_line_and_an_exit_code(run_cli, argv, code, says):
     assert proc.returncode == code and says in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_disk_offload_shows_the_layers_on_disk_the_bytes_each_token_reads_and_the_seconds(
         run_cli, tmp_path, tiny_config, write_litgpt_dir):
     from lightning_lowmem import estimate_memory

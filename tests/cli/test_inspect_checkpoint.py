@@ -15,6 +15,7 @@ import yaml
 from lightning_lowmem.cli import main
 
 
+@pytest.mark.slow
 def test_a_good_checkpoint_matches_its_config(run_cli, tmp_path, tiny_config, write_litgpt_dir):
     directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), torch.bfloat16, tokenizer=False)
     state = torch.load(directory / "lit_model.pth")
@@ -204,6 +205,7 @@ def test_a_config_with_far_more_layers_than_the_file_fails_before_building_a_mod
             "hold 1 block (transformer.h.0)") in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, cls, shard", [("bert", "BertModel", "40KB"), ("t5", "T5ForConditionalGeneration", None)])
 def test_any_transformers_model_is_inspected_and_estimated_from_its_config_json(run_cli, tmp_path,
                                                                               write_transformers_dir, kind, cls, shard):

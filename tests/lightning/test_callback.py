@@ -288,6 +288,7 @@ fabric.load_raw(directory + "/lit_model.pth", model)
 """
 
 
+@pytest.mark.slow
 def test_the_trainer_and_fabric_show_one_line_per_load_as_their_own_lines_and_quiet_it_with_them(
         tmp_path, child_env, tiny_config, write_litgpt_dir):
     """In a fresh process, as a user runs it: the callback's line among the Trainer's own ("GPU available: ..."),
