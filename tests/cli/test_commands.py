@@ -74,9 +74,8 @@ def test_errors_speak_in_flags_not_python_keywords(run_cli, tmp_path, tiny_confi
     assert "prefer=" not in pick.stderr and "(--weights)" not in pick.stderr
 
 
-def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) -> subprocess.CompletedProcess:
-    """``command`` in a fresh process, sent SIGINT (Ctrl-C) once it has ``checkpoint`` open."""
-    import os
+def _interrupt_when(command: list[str], env: dict, ready, what: str, poll: float) -> subprocess.CompletedProcess:
+    """``command`` in a fresh process, sent SIGINT (Ctrl-C) once ``ready(pid)`` is true (checked every ``poll`` s)."""
     import signal
     import time
 
@@ -85,17 +84,14 @@ def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) ->
     proc = subprocess.Popen([sys.executable, "-m", "lightning_lowmem", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    fds = Path(f"/proc/{proc.pid}/fd")
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                if any(os.path.realpath(fd) == str(checkpoint) for fd in fds.iterdir()):
+            with contextlib.suppress(OSError):  # an fd closed while listed, a process gone
+                if ready(proc.pid):
                     break
-            except (FileNotFoundError, PermissionError):  # an fd closed while listed
-                pass
-            time.sleep(0.005)
-        assert proc.poll() is None, "the command ended before it opened the checkpoint"
+            time.sleep(poll)
+        assert proc.poll() is None, f"the command ended before it {what}"
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -103,6 +99,16 @@ def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) ->
             proc.kill()
             proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _interrupt_while_reading(command: list[str], checkpoint: Path, env: dict) -> subprocess.CompletedProcess:
+    """``command`` in a fresh process, sent SIGINT (Ctrl-C) once it has ``checkpoint`` open."""
+    import os
+
+    def has_open(pid: int) -> bool:
+        return any(os.path.realpath(fd) == str(checkpoint) for fd in Path(f"/proc/{pid}/fd").iterdir())
+
+    return _interrupt_when(command, env, has_open, "opened the checkpoint", 0.005)
 
 
 @pytest.mark.slow
@@ -124,28 +130,8 @@ def test_ctrl_c_during_a_load_is_one_line_and_exit_130(peak_model_dir, child_env
 def _interrupt_once_loaded(command: list[str], library: str, env: dict) -> subprocess.CompletedProcess:
     """``command`` in a fresh process, sent SIGINT as soon as ``library`` (a shared object's name) is mapped into it:
     in the middle of the imports that load it."""
-    import os
-    import signal
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "lightning_lowmem", *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(OSError):
-                if library in Path(f"/proc/{proc.pid}/maps").read_text():
-                    break
-            time.sleep(0.002)
-        assert proc.poll() is None, f"the command ended before it loaded {library}"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return _interrupt_when(command, env, lambda pid: library in Path(f"/proc/{pid}/maps").read_text(),
+                           f"loaded {library}", 0.002)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc to see what the command has loaded")
