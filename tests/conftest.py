@@ -1273,6 +1273,12 @@ def _close_group():  # gloo's threads abort the process ("terminate called ...")
             pass
         dist.destroy_process_group()
 
+def _finish():  # the script ran to its end: close the group, then leave without the interpreter's teardown, where
+    _close_group()  # torch's store and gloo threads still abort a rank now and then ("terminate called without an
+    sys.stdout.flush()  # active exception", exit -6) after every value was emitted
+    sys.stderr.flush()
+    os._exit(0)
+
 def config(**overrides):
     from litgpt import Config
     return Config(**{**args["config"], **overrides})
@@ -1322,7 +1328,7 @@ def run_ranks(child_env, tmp_path_factory):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        code = _RANK_PREAMBLE + (_INIT_GLOO if init else "") + textwrap.dedent(script)
+        code = _RANK_PREAMBLE + (_INIT_GLOO if init else "") + textwrap.dedent(script) + "\n_finish()\n"
         logs = tmp_path_factory.mktemp("ranks")
         procs = []
         for rank in range(world):
