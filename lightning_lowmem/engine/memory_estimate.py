@@ -12,7 +12,9 @@
                    measured (torch 2.13: oneDNN/MKL state, allocator arenas kept after the prefill),
                    independent of the model size; ``runtime=`` overrides it
     library        importing the quantization library and its first kernel call
-                   (``QuantScheme.library_bytes``); a load holds the import (``library_import_bytes``)
+                   (``QuantScheme.library_bytes``); a load holds the import (``library_import_bytes``); beside
+                   transformers' model classes (a model transformers built, a GGUF file read into litgpt's model),
+                   less what their imports hold already (``library_import_in_transformers``: torchao's whole import)
     imports        what else the load imports that a script has not imported already (a GGUF file read into
                    litgpt's model: transformers' model classes, measured); 0 where they are imported
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
@@ -187,9 +189,12 @@ class MemoryEstimate:
 
 def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype, batch_size: int,
                       max_seq_length: int, prompt_length: int, runtime: int = CPU_RUNTIME,
-                      with_caches: bool = True, rope_dtype: torch.dtype | None = None) -> MemoryEstimate:
+                      with_caches: bool = True, rope_dtype: torch.dtype | None = None,
+                      with_transformers: bool | None = None) -> MemoryEstimate:
     """The estimate of ``prepared``: weights and load transient from its plan, caches and activations from
-    the module's architecture (``with_caches``), the placement it carries.
+    the module's architecture (``with_caches``), the placement it carries. ``with_transformers``: whether the process
+    imports transformers' model classes before the scheme's library (None: when the module is a transformers
+    model); their imports hold part of the library's (``QuantScheme.library_import_in_transformers``).
     """
     selection = prepared.selection  # with a pre-quantized checkpoint: the scheme the file holds
     scheme = selection.scheme if selection is not None else prepared.options.scheme
@@ -212,9 +217,13 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         est.read_bandwidth = placement.read_bandwidth
     est.load_transient += LOAD_RUNTIME
     if scheme is not None and est.quantized_params:
-        est.library, est.library_import = scheme.library_bytes, scheme.library_import_bytes
-        est.notes.append(_bounds_note(scheme.name, any(t.scheme is not None and t.stored is None
-                                                       for t in prepared.plan.targets)))
+        if with_transformers is None:
+            with_transformers = type(prepared.module).__module__.startswith("transformers.")
+        shared = scheme.library_import_in_transformers if with_transformers else 0
+        est.library, est.library_import = scheme.library_bytes - shared, scheme.library_import_bytes - shared
+        if note := _bounds_note(scheme.name, any(t.scheme is not None and t.stored is None
+                                                 for t in prepared.plan.targets), est.library_import > 0):
+            est.notes.append(note)
     read_whole = whole_reads(prepared.plan, traits)
     if read_whole:
         est.notes.append(f"{len(read_whole)} sharded tensors are read whole on this rank, which keeps its part: "
@@ -229,11 +238,13 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     return est
 
 
-def _bounds_note(scheme: str, quantizes: bool) -> str:
+def _bounds_note(scheme: str, quantizes: bool, imports: bool = True) -> str:
     """What of a quantized load's estimate is an upper bound, not known before the load."""
-    heap = f"the freed heap quantizing finds resident (up to {format_bytes(TRIM_AT)}, in the load transient) and " \
-        if quantizes else ""
-    return f"upper bounds: {heap}importing {scheme}'s library (nothing where the process imported it already)"
+    bounds = [f"the freed heap quantizing finds resident (up to {format_bytes(TRIM_AT)}, in the load transient)"] \
+        if quantizes else []
+    if imports:
+        bounds.append(f"importing {scheme}'s library (nothing where the process imported it already)")
+    return f"upper bound{'s' if len(bounds) > 1 else ''}: {' and '.join(bounds)}" if bounds else ""
 
 
 def _add_target(est: MemoryEstimate, route: Route, on_disk: bool = False) -> None:

@@ -113,7 +113,8 @@ def estimate_memory(
         reads_gguf = source.checkpoint is not None and source.checkpoint.gguf is not None
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
-                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme))
+                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme),
+                            with_transformers=(is_litgpt and reads_gguf) or None)
     est.tokenizer = tokenizer
     if is_litgpt and reads_gguf:
         est.imports = GGUF_IMPORT_BYTES

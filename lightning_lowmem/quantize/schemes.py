@@ -96,6 +96,10 @@ class QuantScheme:
     library_import_bytes: ClassVar[int] = 0
     """The part of :attr:`library_bytes` a load already holds: importing the library (its first forward adds the
     rest)."""
+    library_import_in_transformers: ClassVar[int] = 0
+    """The part of :attr:`library_import_bytes` that transformers' own imports hold already (measured beside its
+    model classes): a process whose model transformers built, or that reads a GGUF file into litgpt's model
+    (which imports transformers' classes), pays only the rest."""
     first_forward: ClassVar[float] = 2.0
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""

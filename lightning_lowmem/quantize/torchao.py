@@ -58,6 +58,7 @@ class TorchaoScheme(QuantScheme):
     transient: ClassVar[float] = 12.0
     library_bytes: ClassVar[int] = 25 * 2**20
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
+    library_import_in_transformers: ClassVar[int] = 13 * 2**20  # transformers imports torchao when it is installed
 
     def torchao_config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
@@ -177,6 +178,7 @@ class TorchaoNF4(QuantScheme):
     transient: ClassVar[float] = 4.5
     library_bytes: ClassVar[int] = 25 * 2**20
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
+    library_import_in_transformers: ClassVar[int] = 13 * 2**20  # transformers imports torchao when it is installed
     first_forward: ClassVar[float] = 16.5
 
     def __post_init__(self) -> None:

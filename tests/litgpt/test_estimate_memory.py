@@ -116,6 +116,67 @@ def test_past_the_block_size_and_the_table(tiny_config):
         assert label in table
 
 
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "torchao.int8wo"])
+def test_a_library_import_transformers_holds_already_is_not_counted_twice(tmp_path, write_transformers_dir, tiny_config,
+                                                                           tiny_gpt, scheme):
+    """A model transformers built has imported transformers' classes, which import torchao and part of what
+    bitsandbytes imports: the estimate counts only the rest of the library's import, and says no bound it does not
+    take. A litgpt model read from lit_model.pth counts the whole import."""
+    from lightning_lowmem.quantize.schemes import make_scheme
+
+    library = make_scheme(scheme)
+    write_transformers_dir(tmp_path / "bert", "bert")
+    beside = estimate_memory(tmp_path / "bert", quantize=scheme)
+    torch.save(tiny_gpt(tiny_config("pythia")).state_dict(), tmp_path / "lit_model.pth")
+    alone = estimate_memory(tmp_path / "lit_model.pth", config=tiny_config("pythia"), quantize=scheme,
+                            max_seq_length=20)
+    assert alone.library_import == library.library_import_bytes and alone.library == library.library_bytes
+    shared = library.library_import_in_transformers
+    assert 0 < shared <= library.library_import_bytes
+    assert (beside.library_import, beside.library) == (library.library_import_bytes - shared,
+                                                       library.library_bytes - shared)
+    assert ("importing" in " ".join(beside.notes)) == (beside.library_import > 0)
+    assert f"importing {scheme}'s library" in " ".join(alone.notes)
+
+
+_IMPORTS = """
+import json, sys
+def rss():
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+import torch, litgpt, lightning, lightning_lowmem
+if sys.argv[2] == "beside":
+    import transformers
+    from transformers.models.bert import modeling_bert
+before = rss()
+__import__(sys.argv[1])
+print(json.dumps(rss() - before))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,module", [("bnb.nf4", "bitsandbytes.functional"), ("torchao.int8wo",
+                                                                                        "torchao.quantization")])
+def test_a_library_import_is_at_most_what_the_estimate_counts_alone_and_beside_transformers(child_env, scheme,
+                                                                                            module):
+    """Measured in fresh processes: importing the scheme's library after torch, litgpt and Lightning adds at most
+    ``library_import_bytes``; after transformers' model classes, at most that less
+    ``library_import_in_transformers``."""
+    import json
+    import subprocess
+    import sys
+
+    from lightning_lowmem.quantize.schemes import make_scheme
+
+    library = make_scheme(scheme)
+    for where, counted in (("alone", library.library_import_bytes),
+                           ("beside", library.library_import_bytes - library.library_import_in_transformers)):
+        proc = subprocess.run([sys.executable, "-c", _IMPORTS, module, where], capture_output=True, text=True,
+                              env=child_env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        added = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert added <= counted, (where, added / 2**20, counted / 2**20)
+
+
 @pytest.mark.slow
 def test_estimate_is_not_under_the_measured_peak_and_within_10_percent(peak_model_dir, measure_in_fresh_process):
     """A 45M-parameter bf16 model (87 MiB), 64 + 50 tokens, lightning_lowmem.generate() in a fresh process."""
