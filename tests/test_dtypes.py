@@ -81,3 +81,92 @@ def test_support_override_is_scoped_and_per_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_support_follows_the_device():
     assert supports_bf16("cuda:0") == torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+class Regressor(nn.Module):
+    """A model that takes floating inputs, which Lightning's precision plugin casts to its own dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def _regressor_checkpoint(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    state = {k: v.to(torch.bfloat16) for k, v in Regressor().state_dict().items()}
+    save_file(state, tmp_path / "regressor.safetensors")
+    return str(tmp_path / "regressor.safetensors"), state
+
+
+def _fp16_reference(state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(x.to(torch.float16), state["proj.weight"].to(torch.float16),
+                                state["proj.bias"].to(torch.float16))
+
+
+def test_fabric_bf16_true_follows_the_fp16_fallback(tmp_path):
+    """Fabric with precision="bf16-true" on a device without bf16: the strategy loads fp16 weights, and Fabric's
+    plugin becomes "16-true" with them, so that a float input is cast to fp16, not to bf16 against fp16 weights."""
+    import lightning as L
+
+    from lightning_lowmem import LowMemStrategy
+
+    path, state = _regressor_checkpoint(tmp_path)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    with assume_bf16_support("cpu", False), pytest.warns(BF16FallbackWarning):
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LowMemStrategy(), precision="bf16-true")
+        with fabric.init_module(empty_init=True):
+            model = Regressor()
+        model = fabric.setup(model)
+        fabric.load(path, {"model": model})
+        out = model(x)  # through Fabric's wrapper: the plugin casts the input, and the output back to float32
+        plugin = fabric.strategy.precision
+        assert plugin.precision == "16-true" and fabric._precision is plugin
+        assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert torch.equal(out, _fp16_reference(state, x).float())
+
+
+def test_the_trainer_callback_keeps_fp16_through_the_strategys_setup(tmp_path):
+    """The callback loads before the Trainer's strategy converts the module to the plugin's dtype: with the plugin made
+    "16-true", predict runs on the fp16 weights (not cast back to bf16) and gives the fp16 model's outputs."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_lowmem import LowMemCallback
+
+    path, state = _regressor_checkpoint(tmp_path)
+
+    class Lit(L.LightningModule):
+        def configure_model(self):
+            self.model = Regressor()
+
+        def predict_step(self, batch):
+            return self.model(batch)
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    lit = Lit()
+    with assume_bf16_support("cpu", False), pytest.warns(BF16FallbackWarning):
+        trainer = L.Trainer(accelerator="cpu", devices=1, precision="bf16-true", callbacks=[LowMemCallback(path)],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        out = trainer.predict(lit, DataLoader(x, batch_size=4))
+    assert trainer.precision_plugin.precision == "16-true"
+    assert {p.dtype for p in lit.parameters()} == {torch.float16}
+    assert torch.equal(out[0], _fp16_reference(state, x))
+
+
+def test_where_bf16_is_supported_the_plugin_stays_bf16_true(tmp_path):
+    import lightning as L
+
+    from lightning_lowmem import LowMemStrategy
+
+    path, state = _regressor_checkpoint(tmp_path)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=LowMemStrategy(), precision="bf16-true")
+    with fabric.init_module(empty_init=True):
+        model = Regressor()
+    model = fabric.setup(model)
+    fabric.load(path, {"model": model})
+    assert fabric.strategy.precision.precision == "bf16-true"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

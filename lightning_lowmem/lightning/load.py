@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, allocate_shards, run_load
+from lightning_lowmem.engine.defaults import compute_dtype, execution_device
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_params
@@ -103,12 +104,32 @@ class LightningLoader:
                                     device=None if self.options.max_memory else device)
         report = load_into(module, checkpoint, options, device=device, strict=strict, init_added=self.init_added,
                            unfilled=unfilled)
+        follow_fp16_fallback(precision, options)
         self.reports.append(report)
         if self.logger is not None and report.rank == 0:
             self.logger.info("%s: %s", self.face, report.summary())
         remap_optimizer_params([*self._optimizers, *optimizers], before,
                                dict(module.named_parameters(remove_duplicate=False)))
         return report
+
+
+def follow_fp16_fallback(precision: object, options: LoadOptions) -> bool:
+    """Lightning's ``"bf16-true"`` plugin (Fabric's or the Trainer's ``HalfPrecision``) made ``"16-true"`` in place
+    where the load with ``options`` computes in fp16 (its execution device lacks bf16: ``compute_dtype``), so that
+    what the plugin does after the load (cast the inputs, the forward's default dtype, the Trainer's conversion of the
+    module at setup, after the callback loaded it) agrees with the fp16 weights instead of casting them back or
+    feeding them bf16. The plugin's own ``__init__`` sets it, on the object Fabric, the strategy and the Trainer
+    share. True when it changed."""
+    if type(precision).__name__ != "HalfPrecision" or not type(precision).__module__.startswith("lightning."):
+        return False
+    if plugin_dtype(precision) is not torch.bfloat16 or options.dtype is not torch.bfloat16:
+        return False
+    if compute_dtype(options) is not torch.float16:
+        return False
+    type(precision).__init__(precision, "16-true")
+    log.info("bf16 is not supported on %s: the precision plugin is now \"16-true\", as the fp16 weights are",
+             execution_device(options, "cpu"))
+    return True
 
 
 class LoaderOwner:
