@@ -20,14 +20,16 @@ MEASURED = ("pythia-1b's config, 16 greedy tokens, a 2-core x86_64 CPU with AVX-
 """Where :data:`CPU_DECODE` was measured: said in each note."""
 
 CPU_DECODE: dict[tuple[str, bool], float] = {
-    ("bnb.nf4", False): 2.77,  # rounds: 2.65, 3.29, 2.77
-    ("bnb.int8", False): 1.64,  # rounds: 1.55, 2.02, 1.64
-    ("torchao.int8wo", False): 0.19,  # rounds: 0.19, 0.23, 0.19
+    ("bnb.nf4", False): 2.80,  # rounds: 3.23, 2.75, 2.80
+    ("bnb.int8", False): 1.62,  # rounds: 1.96, 1.62, 1.56
+    ("torchao.int8wo", False): 0.23,  # rounds: 0.25, 0.23, 0.22
+    ("bnb.nf4", True): 3.48,  # rounds: 3.48, 3.58, 2.83
+    ("bnb.int8", True): 1.32,  # rounds: 0.71, 1.58, 1.32
+    ("torchao.int8wo", True): 2.13,  # rounds: 2.13, 2.21, 1.82
 }
 """``(scheme, compiled)`` -> decode tokens/s over bf16's (bf16 with the same ``compiled``), as measured: the median
 of the same-round ratios of ``benchmarks/generate_speed.py``'s best decode steps (3 rounds), on a machine no other work
-shares. Compiled decoding was measured only beside other work (its rounds disagreed by up to 40x): not in the table,
-so nothing is said of it."""
+shares."""
 
 SLOW = 0.5
 """A scheme decoding at under this fraction of bf16's speed is called out."""
