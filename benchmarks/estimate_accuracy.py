@@ -196,7 +196,9 @@ def main() -> None:
           f"prompt + {NEW} new tokens, greedy, CPU; one fresh process per row\n")
     print(table(rows))
     if every:
-        print(f"\nestimate / measured: lowest {min(every):.3f}, highest {max(every):.3f} (never under 1; less its upper-bound terms, at most {BOUND})")
+        under = sum(r < 1 for r in every)
+        print(f"\nestimate / measured: lowest {min(every):.3f}, highest {max(every):.3f}; "
+              + (f"UNDER the measured peak in {under} of {len(every)}" if under else f"never under, in {len(every)}"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
     library        importing the quantization library and its first kernel call
                    (``QuantScheme.library_bytes``); a load holds the import (``library_import_bytes``); beside
                    transformers' model classes (a model transformers built, a GGUF file read into litgpt's model),
-                   less what their imports hold already (``library_import_in_transformers``: torchao's whole import)
+                   less what their imports hold already (``library_import_in_transformers``: 8 MiB of bitsandbytes')
     imports        what else the load imports that a script has not imported already (a GGUF file read into
                    litgpt's model: transformers' model classes, measured); 0 where they are imported
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route

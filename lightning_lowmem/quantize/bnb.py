@@ -111,6 +111,7 @@ class BnbFP4(Bnb4bit):
     """4-bit float weights."""
 
     quant_type: str = "fp4"
+    transient: ClassVar[float] = 32.0  # measured: 30.6-31.6 bytes per element on CPU (nf4's: 13.5-15.9)
 
 
 @register_scheme("bnb.fp4-dq")
@@ -120,6 +121,7 @@ class BnbFP4DQ(Bnb4bit):
 
     quant_type: str = "fp4"
     double_quant: bool = True
+    transient: ClassVar[float] = 32.0
 
 
 @register_scheme("bnb.int8")

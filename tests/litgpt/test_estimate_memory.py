@@ -116,12 +116,12 @@ def test_past_the_block_size_and_the_table(tiny_config):
         assert label in table
 
 
-@pytest.mark.parametrize("scheme", ["bnb.nf4", "torchao.int8wo"])
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.int8"])
 def test_a_library_import_transformers_holds_already_is_not_counted_twice(tmp_path, write_transformers_dir, tiny_config,
                                                                            tiny_gpt, scheme):
-    """A model transformers built has imported transformers' classes, which import torchao and part of what
-    bitsandbytes imports: the estimate counts only the rest of the library's import, and says no bound it does not
-    take. A litgpt model read from lit_model.pth counts the whole import."""
+    """A model transformers built has imported transformers' classes, which import part of what bitsandbytes
+    imports: the estimate counts only the rest of the library's import. A litgpt model read from lit_model.pth
+    counts the whole import."""
     from lightning_lowmem.quantize.schemes import make_scheme
 
     library = make_scheme(scheme)
