@@ -99,7 +99,9 @@ class QuantScheme:
     library_import_in_transformers: ClassVar[int] = 0
     """The part of :attr:`library_import_bytes` that transformers' own imports hold already (measured beside its
     model classes): a process whose model transformers built, or that reads a GGUF file into litgpt's model
-    (which imports transformers' classes), pays only the rest."""
+    (which imports transformers' classes), pays only the rest. The torchao schemes keep 0 although transformers
+    imports torchao (+0.0 MiB after its classes): loads beside transformers varied by 21 MiB from run to run
+    (bert-large, torchao.int8wo), and the import stays counted as their margin."""
     first_forward: ClassVar[float] = 2.0
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""

@@ -58,8 +58,6 @@ class TorchaoScheme(QuantScheme):
     transient: ClassVar[float] = 12.0
     library_bytes: ClassVar[int] = 25 * 2**20
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
-    library_import_in_transformers: ClassVar[int] = 0  # transformers imports torchao (measured: +0.0 MiB after
-    # its classes), but loads beside transformers varied by 21 MiB from run to run (bert-large, int8wo): kept counted
 
     def torchao_config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
@@ -180,8 +178,6 @@ class TorchaoNF4(QuantScheme):
     library_bytes: ClassVar[int] = 36 * 2**20  # measured: generate() on SmolLM2's shapes peaked 6.7 MiB above an
     # estimate counting 25 MiB here, in one of two runs 9 MiB apart
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
-    library_import_in_transformers: ClassVar[int] = 0  # transformers imports torchao (measured: +0.0 MiB after
-    # its classes), but loads beside transformers varied by 21 MiB from run to run (bert-large, int8wo): kept counted
     first_forward: ClassVar[float] = 16.5
 
     def __post_init__(self) -> None:
