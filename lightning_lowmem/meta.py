@@ -1,53 +1,17 @@
-"""Modules on the meta device: building them without storage, filling them, and undoing a fill.
+"""Modules on the meta device: filling them, checking none is left, and undoing a fill.
 
-:func:`init_empty` builds parameters on the meta device (no memory, no random
-init) while keeping buffers real: RoPE tables, position ids and masks computed
-in ``__init__`` are not in checkpoints, and on meta they would be lost
-(transformers#34234, accelerate#3668). They are small next to the weights.
+Building them is :func:`~lightning_lowmem.building.init_empty`'s (``building.py``), re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from lightning_lowmem.building import init_empty  # noqa: F401  (re-exported)
 from lightning_lowmem.errors import MetaTensorError, format_names
-
-
-@contextlib.contextmanager
-def init_empty(include_buffers: bool = False) -> Iterator[None]:
-    """Build modules with parameters on the meta device and real (CPU) buffers.
-
-    Args:
-        include_buffers: put buffers on meta too (everything must then come from
-            the checkpoint or be recomputable, see :func:`recompute_meta_buffers`).
-
-    Example::
-
-        >>> from lightning_lowmem import init_empty
-        >>> with init_empty():
-        ...     layer = torch.nn.Linear(4096, 4096)
-        >>> layer.weight.device
-        device(type='meta')
-    """
-    original = nn.Module.register_parameter
-
-    def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            # Parameter(torch.empty(...)) reserves but never touches its pages: this costs no RSS.
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    context = torch.device("meta") if include_buffers else contextlib.nullcontext()
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    try:
-        with context:
-            yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def fabric_unwrapped(module: nn.Module) -> nn.Module:

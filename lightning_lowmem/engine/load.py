@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lowmem.building import after_fill, cast_buffer
 from lightning_lowmem.devices import check_device_available, cuda_or_none
-from lightning_lowmem.dtypes import fallback_dtype
 from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
@@ -49,6 +49,7 @@ from lightning_lowmem.meta import Snapshot, check_no_meta, meta_tensor_names
 from lightning_lowmem.placement import Architecture, architecture_of
 from lightning_lowmem.runtime import dispatch
 from lightning_lowmem.plan import LoadPlan
+from lightning_lowmem.plan.plan import deferred_advice
 from lightning_lowmem.quantize import QuantScheme, Quantizer, module_nbytes, prepare_quantization
 from lightning_lowmem.quiet import quietly
 
@@ -183,10 +184,12 @@ def _load_whole_or_not_at_all(module: nn.Module,
         with agreement(sharded), headers_shared(from_first_rank if sharded else None):  # rank 0 parses headers
             prepared, ckpt = prepare()
             architecture = _check_before_reading(prepared)
-        return _load(prepared, ckpt, architecture, sharded)
+        report = _load(prepared, ckpt, architecture, sharded)
     except BaseException:
         snapshot.restore()
         raise
+    after_fill(module)  # buffers final, parts filled
+    return report
 
 
 def _check_before_reading(prepared: PreparedLoad) -> Architecture:
@@ -289,6 +292,8 @@ def check_complete(module: nn.Module, plan: LoadPlan, filled: set[str]) -> None:
     if derived:
         parts.append(f"{format_names(derived)} {'is a buffer' if len(derived) == 1 else 'are buffers'} computed in "
                      "__init__ (not saved in checkpoints, or saved with another shape or dtype) that nothing rebuilds;")
+    if plan.deferred:
+        parts.append(deferred_advice(plan.deferred))
     raise MetaTensorError(
         " ".join(parts) + " nothing was read. Load a checkpoint that has them, pass key_map= if they are there under "
         "other names, or build the module inside lightning_lowmem.init_empty() so that buffers computed in "
@@ -308,7 +313,8 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
     architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
-    (:func:`~lightning_lowmem.dtypes.fallback_dtype`).
+    (:func:`~lightning_lowmem.building.cast_buffer`: a buffer its constructor cast to bf16 inside ``init_empty()`` is
+    then cast once from the constructor's own values, as the same constructor run with fp16 gives it).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -316,5 +322,4 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            cast = fallback_dtype(dtypes.get(own, buf.dtype), where, warn=False)  # the tensors' fallback warned
-            mod._buffers[name] = buf.to(device=where, dtype=cast)
+            mod._buffers[name] = cast_buffer(buf, where, dtypes.get(own, buf.dtype))

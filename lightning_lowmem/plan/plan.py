@@ -27,6 +27,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
+from lightning_lowmem.building import deferred_parts
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
 from lightning_lowmem.plan.combine import Combine, Stack, combined_record
@@ -147,6 +148,8 @@ class LoadPlan:
         prefix_note: the key prefix that was guessed, if any.
         absent: a combined tensor's part that is not in the checkpoint -> that tensor.
         files: the checkpoint's files, for messages.
+        deferred: parts of the module a ``from_pretrained`` built inside ``init_empty()`` without reading, whose
+            tensors are missing: module name -> the path it named (the load that fills them, for messages).
     """
 
     targets: list[Target]
@@ -155,6 +158,7 @@ class LoadPlan:
     prefix_note: str = ""
     absent: dict[str, str] = field(default_factory=dict)
     files: str = "the checkpoint"
+    deferred: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -237,6 +241,8 @@ def make_plan(
             cast = tensor.dtype if shard is not None else _target_dtype(tensor, rec, own)  # filled in place
             plan.targets.append(Target(names, rec, is_param, cast, _target_device(tensor, device),
                                        form.parts if form else parts, stored=form, shard=shard, stack=stack))
+    plan.deferred = {name: path for name, path in deferred_parts(module).items()
+                     if any(m == name or m.startswith(f"{name}.") or not name for m in plan.missing)}
     plan.unexpected = [key for key in unexpected if key not in used
                        and not (key in stored and used.intersection(p.key for p in stored[key].parts))]
     if bad_shapes:
@@ -347,9 +353,24 @@ def mismatch_message(plan: LoadPlan, missing: list[str] | None = None) -> str:
                      f"({format_names(plan.unexpected)}).")
     if plan.prefix_note:
         parts.append(f"(A key prefix was guessed: {plan.prefix_note}.)")
+    if plan.deferred:
+        parts.append(deferred_advice(plan.deferred))
     parts.append("Pass key_map= to rename checkpoint keys (e.g. {'model.': ''}), or strict=False to load what "
                  "matches and list the rest in the report.")
     return " ".join(parts)
+
+
+def deferred_advice(deferred: Mapping[str, str]) -> str:
+    """What fills the parts a ``from_pretrained`` built inside ``init_empty()`` without reading (``LoadPlan.deferred``).
+
+    Example::
+
+        >>> deferred_advice({"text_encoder": "sd3/text_encoder"})
+        "'text_encoder' was built by from_pretrained('sd3/text_encoder') inside init_empty(), which reads no weights: load it with load_checkpoint(model.text_encoder, 'sd3/text_encoder')."
+    """
+    calls = [f"{name!r} was built by from_pretrained({path!r}) inside init_empty(), which reads no weights: load it "
+             f"with load_checkpoint(model{'.' + name if name else ''}, {path!r})" for name, path in deferred.items()]
+    return format_names(calls, quote=False, sep="; ") + "."
 
 
 def _target_dtype(tensor: torch.Tensor, rec: TensorRecord, dtype: torch.dtype | None) -> torch.dtype:

@@ -99,16 +99,17 @@ def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.d
     """The dtype of each floating tensor of ``model`` (a ``PreTrainedModel``) after ``type(model).from_pretrained(...,
     dtype=dtype)``, as its loader decides it, from a model of the same class and config built on meta:
 
-    * built under ``dtype`` as the default dtype (``from_pretrained`` builds it so): a tensor its ``__init__``
-      makes in another dtype keeps it (loaded into it, or computed into it by its init);
+    * built under ``dtype`` as the default dtype, with ``dtype`` set on its config and sub-configs (``from_pretrained``
+      builds it so, whatever ``torch_dtype`` the config held): a tensor its ``__init__`` makes in another dtype keeps
+      it (loaded into it, or computed into it by its init);
     * a parameter or persistent buffer the model's dtype plan names (its keep-in-fp32 modules, matched as
       transformers matches them) is float32.
 
     A model that cannot be built again from its config alone: every tensor in ``dtype`` (logged).
     """
     try:
-        with torch.device("meta"), _default_dtype(dtype):
-            built = type(model)(copy.deepcopy(model.config))
+        with torch.device("meta"), default_dtype(dtype):
+            built = type(model)(config_as_loaded(model.config, dtype))
     except Exception as e:  # noqa: BLE001  (any model's __init__: its own errors)
         log.warning("%s could not be built again on meta to learn the dtypes from_pretrained gives its tensors "
                     "(%s: %s); every floating tensor is loaded in %s.", type(model).__name__, type(e).__name__, e,
@@ -119,6 +120,24 @@ def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.d
     tensors = [*built.named_parameters(remove_duplicate=False), *built.named_buffers(remove_duplicate=False)]
     return {name: (planned(name) if name in loaded else None) or tensor.dtype
             for name, tensor in tensors if tensor.is_floating_point()}
+
+
+def config_as_loaded(config: Any, dtype: torch.dtype) -> Any:
+    """A copy of ``config`` as ``from_pretrained(..., dtype=dtype)`` hands it to the model's ``__init__``: ``dtype`` set
+    on it and on each of its sub-configs (transformers' ``_get_dtype``), so that a sub-model built from a sub-config
+    that said ``torch_dtype="float32"`` is built in ``dtype``, as it is there."""
+    config = copy.deepcopy(config)
+    field = "dtype" if _transformers_major() >= 5 else "torch_dtype"  # 4.x reads torch_dtype
+    for part in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]:
+        if part is not None:
+            setattr(part, field, dtype)
+    return config
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
 
 
 def _plan_matcher(plan: Mapping[str, torch.dtype]) -> Callable[[str], torch.dtype | None]:
@@ -137,7 +156,7 @@ def _plan_matcher(plan: Mapping[str, torch.dtype]) -> Callable[[str], torch.dtyp
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """``torch.get_default_dtype()`` is ``dtype`` in the block (as ``from_pretrained`` builds its model)."""
     saved = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
