@@ -91,16 +91,18 @@ FACES = {
                            lambda: {"checkpoint", "save_frozen"}, refuses={"device"}),
 }
 
-BAD = {"device": "nodevice", "dtype": torch.int8, "quantize": 5, "skip_quantize": [5], "strict": "yes", "key_map": 5,
+BAD = {"device": "nodevice", "dtype": torch.int8, "quantize": 5, "skip_quantize": [5], "treat_as_linear": [5],
+       "strict": "yes", "key_map": 5,
        "transform": 5, "combine": 5, "max_memory": {}, "disk_offload": "yes", "context": 0, "batch_size": 0,
-       "progress": "yes", "mmap": "yes", "prefer": 5, "verify_weight_sets": "yes"}
+       "progress": "yes", "mmap": "yes", "prefer": 5, "entry": 5, "verify_weight_sets": "yes"}
 """A value of each field that ``LoadOptions`` refuses, with an error naming the field."""
 
-GOOD = {"device": "cpu", "dtype": torch.float16, "quantize": "bnb.int8", "skip_quantize": "lm_head", "strict": False,
+GOOD = {"device": "cpu", "dtype": torch.float16, "quantize": "bnb.int8", "skip_quantize": "lm_head",
+        "treat_as_linear": torch.nn.Linear, "strict": False,
         "key_map": {"model.": ""}, "transform": lambda name, t: t,
         "combine": Combine({"w": ("a", "b")}, lambda name, parts: torch.cat(list(parts.values()))),
         "max_memory": {"cpu": "1GiB"}, "disk_offload": True, "context": 8, "batch_size": 2, "progress": False,
-        "mmap": True, "prefer": "safetensors", "verify_weight_sets": True}
+        "mmap": True, "prefer": "safetensors", "entry": "model", "verify_weight_sets": True}
 """A value of each field that ``LoadOptions`` takes (``disk_offload`` with ``max_memory``)."""
 
 

@@ -99,7 +99,8 @@ def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import generation_options, load_for_generation
 
-    found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, verify=args.verify_weight_sets)
+    found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, verify=args.verify_weight_sets,
+                                  entry=args.entry)
     if found.tokenizer is None:
         raise CheckpointNotFoundError(f"No tokenizer in {str(path)!r}: chat needs tokenizer.json or "
                                       "tokenizer.model there (or a GGUF file with a vocabulary). Copy the model's "

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
                           prompt_length=args.prompt_length, max_memory=args.max_memory,
                           disk_offload=args.disk_offload or None, read_bandwidth=args.read_bandwidth,
                           config=config_argument(args.config),
-                          options=LoadOptions(prefer=args.weights, verify_weight_sets=args.verify_weight_sets))
+                          options=LoadOptions(prefer=args.weights, verify_weight_sets=args.verify_weight_sets,
+                                              entry=args.entry))
     print(json.dumps(est.to_dict(), indent=2) if args.json else est)
     return EXIT_OK

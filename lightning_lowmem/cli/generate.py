@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_budgets(args, args.parser)
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights,
-                                  verify=args.verify_weight_sets)
+                                  verify=args.verify_weight_sets, entry=args.entry)
     result = generate(found, args.prompt, sys_prompt=args.sys_prompt,  # styled as litgpt styles it, by generate()
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     path = Path(args.checkpoint).expanduser()
     found = LitgptCheckpoint.find(path, config_argument(args.config), args.weights, require_config=False,
-                                  tokenizer=False, verify=args.verify_weight_sets)
+                                  tokenizer=False, verify=args.verify_weight_sets, entry=args.entry)
     family, name, origin = "litgpt", getattr(found.config, "name", ""), found.config_source
     model = build_meta_gpt(found.config) if found.config is not None else None
     if model is None and (built := build_meta_model(found.directory)) is not None:  # BERT, T5: not litgpt models

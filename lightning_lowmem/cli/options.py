@@ -36,6 +36,9 @@ def add_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, metavar="NAME",
                         help="which weights to read when the directory holds several sets: a file name there "
                              "(lit_model.pth, model.safetensors) or a format (safetensors, torch, gguf)")
+    parser.add_argument("--entry", default=None, metavar="NAME",
+                        help="the entry of a torch checkpoint that holds the weights (model_state_dict, ema, ...); "
+                             "default: the only one holding tensors, else the one whose names fit the model")
     parser.add_argument("--verify_weight_sets", action="store_true",
                         help="when the directory holds several sets that agree by names, shapes and dtypes, read "
                              "every byte of each and compare (costs a read of every set); without it the first "

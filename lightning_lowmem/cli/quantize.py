@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_lowmem.memory import format_bytes, parse_bytes
 
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights,
-                                  verify=args.verify_weight_sets)
+                                  verify=args.verify_weight_sets, entry=args.entry)
     out = args.out.expanduser()
     if out.resolve() == found.directory.resolve():
         args.parser.error(f"--out {str(args.out)!r} is the checkpoint's own directory: write the copy elsewhere")

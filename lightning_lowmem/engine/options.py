@@ -22,6 +22,7 @@ from lightning_lowmem.devices import as_device
 from lightning_lowmem.placement import Budgets, MaxMemory, parse_max_memory
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.quantize import QuantScheme, parse_scheme, parse_skip
+from lightning_lowmem.quantize.linear_like import LinearFilter, linear_filter
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,13 @@ class LoadOptions:
             Each chosen ``nn.Linear`` weight is quantized as it is read.
         skip_quantize: module-name globs left in full precision (one string is one pattern); default:
             the output head (``lm_head``) and anything tied to the input embedding. Stored as a tuple.
+        treat_as_linear: modules of other classes than ``nn.Linear`` that ``quantize`` quantizes as linear layers: a
+            class, a sequence of classes, or a function ``(module, name) -> bool`` (as torchao's ``filter_fn``); each
+            must hold a 2-D ``weight`` ``(out, in)`` and an optional ``bias`` and compute ``F.linear(input, weight,
+            bias)``, for it is replaced by the scheme's Linear. Without it, a module of a model's own class is
+            quantized when its forward, traced on meta, is ``F.linear(input, weight, bias)`` alone; a linear-shaped
+            one whose forward does more is left in full precision and named in ``LoadReport.left_out``. Stored as a
+            tuple of classes, or the function.
         strict: raise on missing or unexpected keys (the default, None, means True; in Fabric, the
             ``strict`` argument of each load call). Tensors left on meta are an error either way.
         key_map: checkpoint-to-module renames: a dict of prefixes (``{"model.": ""}``) or a callable
@@ -67,6 +75,9 @@ class LoadOptions:
             file names (``"lit_model.pth"``, ``"model.safetensors.index.json"``) or a format (``"safetensors"``,
             ``"torch"``, ``"gguf"``). Sets whose names, shapes and dtypes agree are read in the documented order,
             with an :class:`~lightning_lowmem.UnverifiedWeightsWarning` (see ``docs/loading.md``).
+        entry: the entry of a torch checkpoint that holds the weights (``"model_state_dict"``, ``"ema"``, ``""`` for
+            the top level). Without it, the only entry holding tensors is read, else the one whose names fit the
+            module; two that fit (a model and its EMA copy) are an ``AmbiguousCheckpointError`` naming them.
         verify_weight_sets: in a directory holding several weight sets whose names, shapes and dtypes agree, read
             every byte of each and compare them before the load (the cost: reading every set once more): the same
             -> the documented one is read, without a warning; different -> ``AmbiguousCheckpointError``. Without
@@ -86,6 +97,7 @@ class LoadOptions:
     dtype: torch.dtype | None = None
     quantize: str | QuantScheme | None = None
     skip_quantize: str | Sequence[str] | None = None
+    treat_as_linear: type | Sequence[type] | LinearFilter | None = None
     strict: bool | None = None
     key_map: KeyMap | None = None
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
@@ -97,6 +109,7 @@ class LoadOptions:
     progress: bool | None = None
     mmap: bool = False
     prefer: str | None = None
+    entry: str | None = None
     verify_weight_sets: bool = False
 
     def __post_init__(self) -> None:
@@ -107,6 +120,10 @@ class LoadOptions:
             raise TypeError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {self.dtype!r}.")
         set_("quantize", parse_scheme(self.quantize))
         set_("skip_quantize", parse_skip(self.skip_quantize))
+        linear_filter(self.treat_as_linear)  # a TypeError naming the option for anything else
+        if isinstance(self.treat_as_linear, (type, Sequence)):
+            set_("treat_as_linear", (self.treat_as_linear,) if isinstance(self.treat_as_linear, type)
+                 else tuple(self.treat_as_linear))
         if self.max_memory is not None:
             if self.device is not None:
                 raise ValueError(f"Pass device={str(self.device)!r} or max_memory=, not both: with max_memory the "
@@ -130,6 +147,7 @@ class LoadOptions:
             ("mmap", self.mmap, isinstance(self.mmap, bool), "True or False"),
             ("disk_offload", self.disk_offload, isinstance(self.disk_offload, bool), "True or False"),
             ("prefer", self.prefer, self.prefer is None or isinstance(self.prefer, str), "a file name, a format or None"),
+            ("entry", self.entry, self.entry is None or isinstance(self.entry, str), "an entry's name or None"),
             ("verify_weight_sets", self.verify_weight_sets, isinstance(self.verify_weight_sets, bool), "True or False"),
         ]
         for name, value, ok, expected in checks:
@@ -143,6 +161,11 @@ class LoadOptions:
     def budgets(self) -> Budgets | None:
         """The parsed ``max_memory``."""
         return self.max_memory  # type: ignore[return-value]  (parsed in __post_init__)
+
+    @property
+    def linear_filter(self) -> LinearFilter | None:
+        """``treat_as_linear`` as a function ``(module, name) -> bool``."""
+        return linear_filter(self.treat_as_linear)
 
     @property
     def scheme(self) -> QuantScheme | None:

@@ -124,7 +124,7 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
     if stored:
         prepared.selection = mark_stored(module, plan, stored)
     elif options.scheme is not None:
-        prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize)
+        prepared.selection = select_linears(module, plan, options.scheme, options.skip_quantize, options.linear_filter)
     if options.budgets is not None:
         prepared.placement = _place(module, plan, options, kv_cache_bytes, activation_bytes)
         if prepared.placement.on_disk:

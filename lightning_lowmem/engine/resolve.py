@@ -27,6 +27,7 @@ from pathlib import Path
 
 from torch import nn
 
+from lightning_lowmem.engine.entries import entry_for
 from lightning_lowmem.engine.options import LoadOptions
 from lightning_lowmem.formats.metadata_keys import TIES_KEY
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
@@ -122,12 +123,14 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
         if isinstance(checkpoint, Checkpoint):
             ckpt, why = checkpoint, f"{checkpoint.description}: opened by the caller"
         elif isinstance(checkpoint, Chosen):
-            ckpt, why = stack.enter_context(Checkpoint.open(checkpoint.path)), checkpoint.why
+            with entry_for(module, options.entry if options.entry is not None else checkpoint.entry):
+                ckpt, why = stack.enter_context(Checkpoint.open(checkpoint.path)), checkpoint.why
         else:
             path = Path(checkpoint).expanduser()
             if not path.exists():
                 raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
-            choice = choose_set(path, module, options.prefer, stack, verify=options.verify_weight_sets)
+            choice = choose_set(path, module, options.prefer, stack, verify=options.verify_weight_sets,
+                                entry=options.entry)
             ckpt, why = choice.checkpoint, choice.why
         log.info("Checkpoint: %s", why)
         source = source_of(ckpt, module, options, why)
@@ -137,14 +140,15 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
 
 @contextlib.contextmanager
 def opened(checkpoint: str | Path | Checkpoint, module: nn.Module | None = None,
-           prefer: str | None = None, verify: bool = False) -> Iterator[Checkpoint]:
+           prefer: str | None = None, verify: bool = False, entry: str | None = None) -> Iterator[Checkpoint]:
     """The checkpoint a path stands for (chosen as :func:`resolved` chooses it, ``verify`` as
-    ``verify_weight_sets``), open for the block; an open :class:`Checkpoint` is passed through and left open."""
+    ``verify_weight_sets``, ``entry`` as the option), open for the block; an open :class:`Checkpoint` is passed
+    through and left open."""
     if isinstance(checkpoint, Checkpoint):
         yield checkpoint
         return
     with contextlib.ExitStack() as stack:
-        yield choose_set(Path(checkpoint).expanduser(), module, prefer, stack, verify).checkpoint
+        yield choose_set(Path(checkpoint).expanduser(), module, prefer, stack, verify, entry).checkpoint
 
 
 @quietly

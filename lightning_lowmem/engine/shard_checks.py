@@ -54,7 +54,7 @@ def quantize_for_sharding(module: nn.Module, options: LoadOptions, count: int,
     scheme = options.scheme
     check_shardable(scheme, f"the model is to be sharded in {count} shards")
     plan = make_plan(module, module_records(module), dtype=dtype or options.dtype)
-    selection = select_linears(module, plan, scheme, options.skip_quantize)
+    selection = select_linears(module, plan, scheme, options.skip_quantize, options.linear_filter)
     for name, weight in list(selection.chosen.items()):
         target = plan.target_of(weight)
         reason = scheme.shard_reason(target.record.shape, count)

@@ -42,6 +42,7 @@ from lightning_lowmem.errors import (
     UnverifiedWeightsWarning,
     format_names,
 )
+from lightning_lowmem.engine.entries import entry_for
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.formats.discovery import WeightSet, weight_sets
 from lightning_lowmem.memory import format_bytes
@@ -71,20 +72,22 @@ class Choice:
 @dataclass(frozen=True)
 class Chosen:
     """A weight set a face chose before it could build its model (litgpt's config is found beside the weights):
-    the path, and why; :func:`~lightning_lowmem.engine.resolve.resolved` opens it as chosen, without choosing
-    again."""
+    the path, why, and the entry of a torch file asked for (``entry=``); :func:`~lightning_lowmem.engine.resolve.
+    resolved` opens it as chosen, without choosing again."""
 
     path: Path
     why: str
+    entry: str | None = None
 
 
 def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: contextlib.ExitStack,
-               verify: bool = False) -> Choice:
+               verify: bool = False, entry: str | None = None) -> Choice:
     """The checkpoint ``path`` stands for, opened on ``stack``, and why it was chosen.
 
     Args:
         verify: compare every byte of the directory's weight sets (``verify_weight_sets``) instead of warning that
             they were compared by headers and samples only.
+        entry: the entry of a torch file holding the weights (``entry=``; see ``engine/entries.py``).
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist or holds no weights.
@@ -94,32 +97,35 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
     Warns:
         UnverifiedWeightsWarning: several sets agree by headers and samples, and ``verify`` is off.
     """
-    if not path.is_dir():
-        return Choice(stack.enter_context(Checkpoint.open(path)), path, f"{path}: the file given")
-    sets = candidate_sets(path, prefer)
-    if len(sets) == 1:
-        return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path, one_set_why(path, sets[0], prefer))
-    opened = _open_sets(path, sets, stack)
-    if len(opened) == 1:
-        (weight_set, ckpt), = opened.items()
-        return Choice(ckpt, weight_set.path, f"{weight_set.path}: the only weights in {path} (the other files there "
-                                             "hold no state dict)")
-    views = [_View.of(s, ckpt, module) for s, ckpt in opened.items()]
-    for other in views[1:]:
-        difference = views[0].difference(other)
-        if difference:
-            raise AmbiguousCheckpointError(_ambiguous_message(path, views[0].set, other.set, difference))
-    chosen = next((v for v in views if v.native), views[0])
-    by_names = module is not None and chosen.native and not all(v.native for v in views)
-    reason = "the names the module takes as they are" if by_names else "the first in the documented order"
-    others = [v for v in views if v is not chosen]
-    if verify:
-        return Choice(chosen.ckpt, chosen.set.path, f"{chosen.set.path}: {reason}; {_verified(path, chosen, others)}")
-    names = format_names((v.set.name for v in others), quote=False)
-    warnings.warn(_unverified_message(path, chosen, others, reason), UnverifiedWeightsWarning, stacklevel=2)
-    return Choice(chosen.ckpt, chosen.set.path,
-                  f"{chosen.set.path}: {reason}; {names} in {path} not compared byte for byte (names, shapes, dtypes "
-                  "and sampled bytes agree; verify_weight_sets=True compares every byte)")
+    with entry_for(module, entry):  # a torch file's entry: the one asked, or the one that fits the module
+        if not path.is_dir():
+            return Choice(stack.enter_context(Checkpoint.open(path)), path, f"{path}: the file given")
+        sets = candidate_sets(path, prefer)
+        if len(sets) == 1:
+            return Choice(stack.enter_context(Checkpoint.open(sets[0].path)), sets[0].path,
+                          one_set_why(path, sets[0], prefer))
+        opened = _open_sets(path, sets, stack)
+        if len(opened) == 1:
+            (weight_set, ckpt), = opened.items()
+            return Choice(ckpt, weight_set.path, f"{weight_set.path}: the only weights in {path} (the other files "
+                                                 "there hold no state dict)")
+        views = [_View.of(s, ckpt, module) for s, ckpt in opened.items()]
+        for other in views[1:]:
+            difference = views[0].difference(other)
+            if difference:
+                raise AmbiguousCheckpointError(_ambiguous_message(path, views[0].set, other.set, difference))
+        chosen = next((v for v in views if v.native), views[0])
+        by_names = module is not None and chosen.native and not all(v.native for v in views)
+        reason = "the names the module takes as they are" if by_names else "the first in the documented order"
+        others = [v for v in views if v is not chosen]
+        if verify:
+            return Choice(chosen.ckpt, chosen.set.path,
+                          f"{chosen.set.path}: {reason}; {_verified(path, chosen, others)}")
+        names = format_names((v.set.name for v in others), quote=False)
+        warnings.warn(_unverified_message(path, chosen, others, reason), UnverifiedWeightsWarning, stacklevel=2)
+        return Choice(chosen.ckpt, chosen.set.path,
+                      f"{chosen.set.path}: {reason}; {names} in {path} not compared byte for byte (names, shapes, "
+                      "dtypes and sampled bytes agree; verify_weight_sets=True compares every byte)")
 
 
 def _open_sets(directory: Path, sets: list[WeightSet], stack: contextlib.ExitStack) -> dict[WeightSet, Checkpoint]:

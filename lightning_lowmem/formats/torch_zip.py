@@ -32,6 +32,7 @@ from lightning_lowmem.formats.files import OpenedFile
 from lightning_lowmem.formats.records import TensorRecord, row_span
 from lightning_lowmem.formats.entries import EntriesTooLargeError, inert_paths, rebuild
 from lightning_lowmem.formats.entry_tensor import EntryTensor
+from lightning_lowmem.formats.state_entry import candidates, choose
 from lightning_lowmem.formats.unpickler import Inert, InertUnpickler, StorageRef, TensorRef
 from lightning_lowmem.formats.zip_records import RESAVE as _RESAVE
 from lightning_lowmem.formats.crc_pieces import Pieces, Unchecked
@@ -173,15 +174,13 @@ class TorchZipFile(OpenedFile):
         return self._offsets[storage.key]
 
     def _unwrap(self) -> tuple[Mapping[str, Any], str]:
-        """The state dict inside the checkpoint, and the entry it was found under."""
+        """The state dict inside the checkpoint, and the entry it was found under (``formats/state_entry.py``: the top
+        level, or any entry one level down that maps names to tensors; several: the chooser in force decides)."""
         obj = self._checkpoint
-        if isinstance(obj, Mapping):
-            for entry in ("state_dict", "model"):  # Lightning Trainer, then Fabric
-                inner = obj.get(entry)
-                if isinstance(inner, Mapping) and any(_is_tensor(v) for v in inner.values()):
-                    return inner, entry
-            if any(_is_tensor(v) for v in obj.values()):
-                return obj, ""
+        found = candidates(obj, lambda v: tuple(v.shape) if isinstance(v, TensorRef) else _is_tensor(v) and None)
+        if found:
+            entry = choose(self.path, found)
+            return (obj[entry] if entry else obj), entry
         if self.inert:
             raise UnsafeCheckpointError(
                 f"{self.path} holds no state dict of tensors; its pickle asks to build "
@@ -189,8 +188,8 @@ class TorchZipFile(OpenedFile):
                 "run). If you trust the file, load it with torch.load(weights_only=False) and save its state_dict() "
                 "with safetensors.torch.save_file.")
         raise NoStateDictError(
-            f"{self.path} holds a {type(obj).__name__} with no tensors at its top level nor under 'state_dict' "
-            "(Lightning) or 'model' (Fabric). Save the model's state_dict() and load that file.")
+            f"{self.path} holds a {type(obj).__name__} with no tensors at its top level nor in any entry of it. "
+            "Save the model's state_dict() and load that file.")
 
     def _weight(self, key: Any, value: Any) -> TensorRef | None:
         """``value`` when it is a tensor of the state dict, None for anything else beside them; raises for a

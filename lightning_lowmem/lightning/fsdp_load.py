@@ -67,8 +67,9 @@ def load_full_checkpoint(path: str | Path | Checkpoint, state: dict[str, Any], s
     has_model = any(isinstance(v, nn.Module) for v in state.values())
     optimizers = frozenset(k for k, v in state.items() if isinstance(v, Optimizer)) if has_model else frozenset()
     sharded = any(is_dtensor(p) for v in state.values() if isinstance(v, nn.Module) for p in v.parameters())
+    module = next((v for v in state.values() if isinstance(v, nn.Module)), None)  # the entry that fits it is read
     with agreement(sharded, "while reading the checkpoint"), headers_shared(from_first_rank if sharded else None), \
-            opened(path) as ckpt:  # once: headers (parsed on rank 0), the other entries (optimizers' unread), the
+            opened(path, module) as ckpt:  # once: headers (parsed on rank 0), the other entries (optimizers' unread), the
         rest = other_entries(ckpt, state, weights_only, unread=optimizers)  # weights, then the optimizers' rows
         key = weights_key(ckpt, state)
         _validate_keys_for_strict_loading(state.keys(), [*rest, *([key] if key else [])], strict=strict)

@@ -217,7 +217,8 @@ class LowMemStrategy(LoaderOwner, SingleDeviceStrategy):
                     weights_only: bool | None) -> dict[str, Any]:
         """``fabric.load(path, {...})``: stream the model's entry, restore the others as Lightning does."""
         with ExitStack() as stack:  # opened once: headers, other entries, then the weights
-            ckpt = stack.enter_context(opened(path, prefer=self.options.prefer,
+            module = next((v for v in state.values() if isinstance(v, nn.Module)), None)  # the entry that fits it
+            ckpt = stack.enter_context(opened(path, module, prefer=self.options.prefer, entry=self.options.entry,
                                               verify=self.options.verify_weight_sets))
             rest = other_entries(ckpt, state, weights_only)
             key = weights_key(ckpt, state)

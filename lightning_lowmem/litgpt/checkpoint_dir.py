@@ -30,6 +30,7 @@ from torch import nn
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
 from lightning_lowmem.engine.defaults import compute_dtype, execution_device
+from lightning_lowmem.engine.entries import entry_for
 from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
@@ -59,6 +60,7 @@ class LitgptCheckpoint:
         gguf: what a GGUF file says beyond its tensors (its transformers config), None otherwise.
         why: why these weights (logged; shown by ``inspect``).
         config_source: where the config came from (without one: why none was found).
+        entry: the entry of a torch file holding the weights, as asked (``entry=``), or None.
     """
 
     directory: Path
@@ -68,15 +70,18 @@ class LitgptCheckpoint:
     gguf: GGUFSource | None = None
     why: str = ""
     config_source: str = ""
+    entry: str | None = None
 
     @classmethod
     @quietly
     def find(cls, path: str | Path, config: Any | None = None, prefer: str | None = None, *,
-             require_config: bool = True, tokenizer: bool = True, verify: bool = False) -> LitgptCheckpoint:
+             require_config: bool = True, tokenizer: bool = True, verify: bool = False,
+             entry: str | None = None) -> LitgptCheckpoint:
         """Inspect ``path``, a directory or a file (reads headers, and a sample of each weight set's bytes when a
         directory holds several; every byte with ``verify``, the ``verify_weight_sets`` option).
 
-        With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only).
+        With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only). ``entry``: the
+        entry of a torch file holding the weights (the ``entry`` option; see ``engine/entries.py``).
 
         Raises:
             CheckpointNotFoundError: ``path`` does not exist or holds no weights.
@@ -88,16 +93,16 @@ class LitgptCheckpoint:
         directory = path if path.is_dir() else path.parent
         if not path.exists():
             raise CheckpointNotFoundError(f"Checkpoint {str(path)!r} does not exist. Check the path.")
-        weights, why = _chosen_weights(path, config, prefer, verify)
+        weights, why = _chosen_weights(path, config, prefer, verify, entry)
         if _is_gguf(weights):
             return cls._from_gguf(directory, weights, config, why, tokenizer)
         origin = "given"
         if config is None:
             config, origin = _directory_config(directory, require_config)
         if config is not None:
-            _check_fits(config, weights)
+            _check_fits(config, weights, entry)
         return cls(directory, weights, config, _tokenizer(directory) if tokenizer else None, why=why,
-                   config_source=origin)
+                   config_source=origin, entry=entry)
 
     def with_config(self, config: Any) -> LitgptCheckpoint:
         """The same weights with another litgpt config, checked against their headers first.
@@ -112,7 +117,7 @@ class LitgptCheckpoint:
     @property
     def chosen(self) -> Chosen:
         """The weights as the resolver chose them, for a load or a plan (not chosen again)."""
-        return Chosen(self.weights, self.why)
+        return Chosen(self.weights, self.why, self.entry)
 
     @classmethod
     def _from_gguf(cls, directory: Path, weights: Path, config: Any | None, why: str,
@@ -125,7 +130,8 @@ class LitgptCheckpoint:
         return cls(directory, weights, config, source.tokenizer, source, why=why, config_source=origin)
 
 
-def _chosen_weights(path: Path, config: Any | None, prefer: str | None, verify: bool = False) -> tuple[Path, str]:
+def _chosen_weights(path: Path, config: Any | None, prefer: str | None, verify: bool = False,
+                    entry: str | None = None) -> tuple[Path, str]:
     """The weights the resolver chooses for ``path``; several sets in a directory are compared on the model the
     directory's config builds (on their own names without one)."""
     if not path.is_dir():
@@ -135,16 +141,17 @@ def _chosen_weights(path: Path, config: Any | None, prefer: str | None, verify: 
         return sets[0].path, one_set_why(path, sets[0], prefer)
     config = config or _directory_config(path, required=False)[0]
     if config is not None:
-        _check_fits(config, sets[0].path)  # before a model is built from it to compare the sets
+        _check_fits(config, sets[0].path, entry)  # before a model is built from it to compare the sets
     with contextlib.ExitStack() as stack:
-        choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack, verify)
+        choice = choose_set(path, build_meta_gpt(config) if config is not None else None, prefer, stack, verify,
+                            entry)
     return choice.path, choice.why
 
 
-def _check_fits(config: Any, weights: Path) -> None:
-    """The config's counts and widths against the weights' headers, before any model is built from it
-    (:func:`~lightning_lowmem.litgpt.config_check.check_config_fits`)."""
-    with Checkpoint.open(weights) as ckpt:
+def _check_fits(config: Any, weights: Path, entry: str | None = None) -> None:
+    """The config's counts and widths against the weights' headers (the entry a load of the model reads), before any
+    weight is read (:func:`~lightning_lowmem.litgpt.config_check.check_config_fits`)."""
+    with entry_for(lambda: build_meta_gpt(config), entry), Checkpoint.open(weights) as ckpt:
         check_config_fits(config, ckpt.records, ckpt.description)
 
 

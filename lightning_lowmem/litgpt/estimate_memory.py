@@ -159,7 +159,7 @@ def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
                    for n, t in model.state_dict(keep_vars=True).items()}  # as if saved in the dtype it loads in
         return model, records_source(records, options, f"the config {source.name!r}"), source.name, 0
     found = LitgptCheckpoint.find(source, config, options.prefer, require_config=False, tokenizer=False,
-                                  verify=options.verify_weight_sets)
+                                  verify=options.verify_weight_sets, entry=options.entry)
     model = build_meta_gpt(found.config) if found.config is not None else None
     resolved_source = stack.enter_context(resolved(found.chosen, model, options))
     tokenizer = 0

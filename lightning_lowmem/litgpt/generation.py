@@ -146,7 +146,8 @@ def load_for_generation(
 
 def _found(checkpoint: str | Path | LitgptCheckpoint, config: Any | None, options: LoadOptions) -> LitgptCheckpoint:
     if not isinstance(checkpoint, LitgptCheckpoint):
-        return LitgptCheckpoint.find(checkpoint, config, options.prefer, verify=options.verify_weight_sets)
+        return LitgptCheckpoint.find(checkpoint, config, options.prefer, verify=options.verify_weight_sets,
+                                     entry=options.entry)
     return checkpoint if config is None else checkpoint.with_config(config)
 
 

@@ -30,7 +30,7 @@ from lightning_lowmem.quantize.layouts import layout_of
 from lightning_lowmem.quantize.nbytes import tensor_nbytes
 from lightning_lowmem.quantize.rows import RowSource
 from lightning_lowmem.quantize.schemes import check_available
-from lightning_lowmem.quantize.selection import Selection, as_linear
+from lightning_lowmem.quantize.selection import Selection
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def prepare_quantization(module: nn.Module, selection: Selection, plan: LoadPlan
         old = module.get_submodule(module_name)
         if built(old):  # built before the load (before the model was sharded): kept as it is
             continue
-        linear, _ = as_linear(old)  # a Conv1D's stand-in Linear
+        linear = selection.stand_ins.get(module_name, old)  # a Conv1D's or a model's own class's: its stand-in
         target = targets[weight_name]
         new = target.scheme.transform.replace(linear, target.dtype)
         if new is not old:

@@ -5,10 +5,12 @@ targets it marks (``Target.scheme``), and the placement plan and the memory
 estimate count exactly those at the scheme's size. Candidates are modules whose type is
 exactly ``nn.Linear`` (subclasses: LoRA layers, already-quantized layers,
 ``nn.MultiheadAttention``'s ``NonDynamicallyQuantizableLinear`` may have their own
-forward) and transformers' ``Conv1D`` (GPT-2's projections: a Linear whose weight is
+forward), transformers' ``Conv1D`` (GPT-2's projections: a Linear whose weight is
 stored transposed, ``(in, out)``; it is replaced by the scheme's Linear and its weight
-transposed as it is read, as transformers' own bitsandbytes integration does). A
-candidate stays in full precision when
+transposed as it is read, as transformers' own bitsandbytes integration does), and a model's
+own class whose forward is ``F.linear(input, weight, bias)`` alone, or that ``treat_as_linear``
+names (``linear_like.py``; a linear-shaped one whose forward does more is named in ``left_out``
+with what it computes). A candidate stays in full precision when
 
 * its name matches a ``skip_quantize`` glob (default: ``lm_head`` and the
   model's output embeddings, as transformers does),
@@ -42,6 +44,7 @@ from torch import nn
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.layouts import scheme_of
+from lightning_lowmem.quantize.linear_like import LinearFilter, forward_reason, linear_shape, stand_in
 from lightning_lowmem.quantize.schemes import QuantScheme
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "lm_head.linear", "*.lm_head.linear")
@@ -62,6 +65,8 @@ class Selection:
             dequantized, combined, quantized again.
         experts: stacks of expert weights to quantize: weight name -> the module holding it (``left_out`` names
             the stacks left in full precision by their weight's name).
+        stand_ins: the chosen modules that are no ``nn.Linear`` (``Conv1D``, a model's own class) -> the meta
+            ``nn.Linear`` of their features the scheme's module is made from.
     """
 
     scheme: QuantScheme
@@ -71,6 +76,7 @@ class Selection:
     stored: set[str] = field(default_factory=set)
     requantized: set[str] = field(default_factory=set)
     experts: dict[str, str] = field(default_factory=dict)
+    stand_ins: dict[str, nn.Linear] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,7 @@ def parse_skip(skip_quantize: str | Sequence[str] | None) -> tuple[str, ...] | N
 
 
 def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
-                   skip: tuple[str, ...] | None) -> Selection:
+                   skip: tuple[str, ...] | None, treat_as_linear: LinearFilter | None = None) -> Selection:
     """Pick the Linears of ``module`` that ``scheme`` quantizes during the load of ``plan``, and mark their
     weights' targets with the scheme.
 
@@ -139,6 +145,7 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
         scheme: the quantization scheme.
         skip: module-name globs (``fnmatch``) to leave alone; None for :data:`DEFAULT_SKIP` plus
             the module's ``get_output_embeddings()`` when it has one.
+        treat_as_linear: modules of other classes to quantize as linear layers (``treat_as_linear=``).
     """
     if skip is not None:
         _warn_unmatched(module, skip)
@@ -151,6 +158,8 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
     for name, mod in module.named_modules():
         linear, transposed = (mod, False) if built(mod) else as_linear(mod)
         if linear is None:
+            linear = _own_linear(name, mod, treat_as_linear, selection)
+        if linear is None:
             continue
         weight_name = f"{name}.weight" if name else "weight"
         target = targets.get(weight_name)
@@ -161,12 +170,36 @@ def select_linears(module: nn.Module, plan: LoadPlan, scheme: QuantScheme,
             target.scheme = Transposed(scheme) if transposed else scheme
             if transposed:
                 selection.transposed.add(name)
+            if linear is not mod:
+                selection.stand_ins[name] = linear
         else:
             selection.left_out[name] = reason
     _select_expert_stacks(module, targets, patterns, scheme, selection)
     if not selection.chosen and not selection.experts:
         _warn_nothing_chosen(module, scheme, selection)
+    else:
+        _warn_own_classes_left(selection)
     return selection
+
+
+def _own_linear(name: str, mod: nn.Module, treat_as_linear: LinearFilter | None,
+                selection: Selection) -> nn.Linear | None:
+    """The stand-in ``nn.Linear`` of a module of a class of its own that is a linear layer (its forward, or
+    ``treat_as_linear`` says so), else None; a linear-shaped one that is not is named in ``selection.left_out``."""
+    declared = treat_as_linear is not None and treat_as_linear(mod, name)
+    if linear_shape(mod) is None:
+        if declared:
+            selection.left_out[name] = (f"treat_as_linear names it, but {type(mod).__name__} holds no 2-D weight "
+                                        "(out, in) and optional bias alone")
+        return None
+    reason = None if declared else forward_reason(mod)
+    if reason is None:
+        return stand_in(mod)
+    if reason:
+        kind = f"{type(mod).__module__}.{type(mod).__qualname__}"
+        selection.left_out[name] = (f"{type(mod).__name__} is no nn.Linear and {reason}; if it is a linear layer, "
+                                    f"pass treat_as_linear={kind}")
+    return None
 
 
 def expert_stacks(module: nn.Module) -> list[tuple[str, str]]:
@@ -217,10 +250,22 @@ def _warn_nothing_chosen(module: nn.Module, scheme: QuantScheme, selection: Sele
     kinds = Counter(type(m).__name__ for m in module.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
     seen = format_names((f"{kind} x {n}" for kind, n in kinds.most_common()), quote=False)
     reasons = format_names((f"{n} ({why})" for n, why in selection.left_out.items()), limit=3, quote=False)
-    warnings.warn(f"quantize={scheme.name!r} quantizes nothing in {type(module).__name__}: it quantizes nn.Linear "
-                  f"and transformers' Conv1D; the layers with weights here are {seen or 'none'}"
-                  + (f", and the Linears left out are {reasons}" if selection.left_out else "") + ".",
+    warnings.warn(f"quantize={scheme.name!r} quantizes nothing in {type(module).__name__}: it quantizes nn.Linear, "
+                  "transformers' Conv1D and modules whose forward is F.linear(input, weight, bias); the layers with "
+                  f"weights here are {seen or 'none'}"
+                  + (f", and the Linears left out are {reasons}" if selection.left_out else "")
+                  + ". A linear layer of another class is quantized with treat_as_linear=TheClass.",
                   UserWarning, stacklevel=3)
+
+
+def _warn_own_classes_left(selection: Selection) -> None:
+    """Linear-shaped modules of a model's own classes whose forward is no plain ``F.linear`` are named, with the
+    option that includes them: quantizing 0 of 60 of a model's own Linears never passes in silence."""
+    left = [name for name, why in selection.left_out.items() if "treat_as_linear=" in why]
+    if left:
+        warnings.warn(f"quantize={selection.scheme.name!r} leaves {len(left)} linear-shaped modules in full "
+                      f"precision: {format_names((f'{n} ({selection.left_out[n]})' for n in left), limit=3, quote=False)}.",
+                      UserWarning, stacklevel=3)
 
 
 def _warn_unmatched(module: nn.Module, patterns: tuple[str, ...]) -> None:

@@ -18,6 +18,7 @@ from lightning_lowmem import (
     UnsafeCheckpointError,
     load_checkpoint,
 )
+from lightning_lowmem.formats.state_entry import choosing_entry
 
 MiB = 2**20
 
@@ -60,7 +61,7 @@ def test_a_build_state_on_a_tensor_beside_the_weights_is_refused(tmp_path):
 def test_a_state_dicts_metadata_is_kept_as_torch_keeps_it(tmp_path):
     state = torch.nn.Linear(4, 1).state_dict()
     torch.save({"model": state, "ema": state}, tmp_path / "meta.ckpt")
-    with Checkpoint.open(tmp_path / "meta.ckpt") as ckpt:
+    with choosing_entry(lambda path, found: "model"), Checkpoint.open(tmp_path / "meta.ckpt") as ckpt:
         rest, inert = ckpt.other_entries()
     assert rest["ema"]._metadata == state._metadata and not inert
     assert torch.equal(rest["ema"]["weight"], state["weight"])
@@ -107,14 +108,15 @@ def test_a_view_with_impossible_numbers_is_a_typed_error_naming_the_key(tmp_path
 
 def test_an_empty_view_past_its_storage_beside_the_weights_is_a_typed_error(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}, "empty": _View(2**40, (0,), (1,))}, tmp_path / "empty.ckpt")
-    with Checkpoint.open(tmp_path / "empty.ckpt") as ckpt:
+    with choosing_entry(lambda path, found: "model"), Checkpoint.open(tmp_path / "empty.ckpt") as ckpt:
         with pytest.raises(CheckpointFormatError, match="reaches element"):
             ckpt.other_entries()
 
 
 def test_a_broadcast_view_beside_the_weights_is_a_view_as_torch_gives_it(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}, "big": _View(0, (2**40,), (0,))}, tmp_path / "expand.ckpt")
-    with MemoryMonitor() as monitor, Checkpoint.open(tmp_path / "expand.ckpt") as ckpt:
+    with MemoryMonitor() as monitor, choosing_entry(lambda path, found: "model"), \
+            Checkpoint.open(tmp_path / "expand.ckpt") as ckpt:
         big = ckpt.other_entries()[0]["big"]
     assert big.shape == (2**40,) and big.stride() == (0,) and big[123].item() == 0.0
     assert monitor.usage.rss_peak_delta < 64 * MiB

@@ -119,8 +119,10 @@ def test_a_load_that_quantizes_nothing_says_what_it_saw(tmp_path):
     save_file(conv.state_dict(), tmp_path / "conv.safetensors")
     with init_empty():
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())
-    with pytest.warns(UserWarning, match=r"quantize='bnb\.int8' quantizes nothing in Sequential: it quantizes nn\.Linear"
-                                         r" and transformers' Conv1D; the layers with weights here are Conv2d x 1"):
+    with pytest.warns(UserWarning, match=r"quantize='bnb\.int8' quantizes nothing in Sequential: it quantizes nn\.Linear,"
+                                         r" transformers' Conv1D and modules whose forward is F\.linear\(input, weight, "
+                                         r"bias\); the layers with weights here are Conv2d x 1\. A linear layer of another "
+                                         r"class is quantized with treat_as_linear=TheClass"):
         report = load_checkpoint(model, tmp_path / "conv.safetensors", quantize="bnb.int8")
     assert report.quantized == {}
 
