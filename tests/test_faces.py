@@ -232,8 +232,10 @@ def test_the_docs_name_no_keyword_a_face_does_not_take(path):
     assert not bad, f"{path.relative_to(ROOT)}:\n" + "\n".join(bad)
 
 
-OTHER_LIBRARIES = {"assign", "ckpt_path", "devices", "dynamic", "mode", "strategy"}
-"""Keywords of torch, Lightning and litgpt the docs name in prose (``load_state_dict(assign=True)``, ``strategy=``)."""
+OTHER_LIBRARIES = {"assign", "ckpt_path", "devices", "dynamic", "mode", "strategy", "quantization_config",
+                   "torch_dtype"}
+"""Keywords of torch, Lightning, litgpt and transformers the docs name in prose (``load_state_dict(assign=True)``,
+``strategy=``, ``from_pretrained(quantization_config=...)``)."""
 
 
 def _public_keywords() -> set[str]:
