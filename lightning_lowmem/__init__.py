@@ -12,6 +12,7 @@ The package follows the data flow; each folder imports only those above it in th
     lightning/   the Lightning faces: Fabric strategy, Trainer callback, registration
     litgpt/      the litgpt faces: KV caches, RoPE, HF conversion, generate, patch_litgpt, estimate_memory
     transformers/  the transformers face: a PreTrainedModel's buffers rebuilt after a load, as from_pretrained does
+    diffusers/   the diffusers face: ModelMixin.from_pretrained inside init_empty() builds on meta, reads nothing
     cli/         the command line: lightning-lowmem estimate | inspect | generate | chat (python -m lightning_lowmem)
 
 Importing it does not import Lightning (3-5 s, ~200 MiB): ``LowMemStrategy``, ``LowMemFSDPStrategy`` and
@@ -81,6 +82,7 @@ from lightning_lowmem.placement import CacheBytes, PlacementPlan
 from lightning_lowmem.plan import Combine, GGUFConversion, gguf_config, gguf_to_transformers
 from lightning_lowmem.runtime import Offload, dispatch, enable_offload, layer_offload, sequential_offload
 from lightning_lowmem.transformers import TRANSFORMERS  # noqa: F401  (registers transformers' PreTrainedModel)
+from lightning_lowmem import diffusers as _diffusers  # noqa: F401,E402  (registers from_pretrained inside init_empty())
 
 register_when_lightning_loads()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -73,7 +74,8 @@ def _from_pretrained_on_meta(cls: type[nn.Module], path: Any, *model_args: Any, 
     if attn is not None:
         config._attn_implementation = attn
     dtype = _dtype_asked(dtype, config)
-    return build_deferred(cls, config, dtype, path, model_args, kwargs)
+    source = os.path.join(str(path), locating["subfolder"]) if locating.get("subfolder") else path
+    return build_deferred(cls, config, dtype, source, model_args, kwargs)
 
 
 def build_deferred(cls: type[nn.Module], config: Any, dtype: torch.dtype, path: Any, model_args: tuple = (),

@@ -1,0 +1,97 @@
+"""diffusers' ``from_pretrained`` inside ``init_empty()``: the model built from its config, its weights not read.
+
+A pipeline wrapper whose constructor loads its parts (Pyramid-Flow's DiT: ``PyramidDiffusionMMDiT.from_pretrained(
+path, torch_dtype=...)``) would otherwise read every weight only for ``init_empty`` to drop it. Inside the block,
+``ModelMixin.from_pretrained`` builds the model as its own ``from_pretrained`` does before reading (the config read
+from ``path``/``subfolder``, the model built from it under ``torch_dtype`` as the default dtype, its
+``_keep_in_fp32_modules`` in float32, evaluation mode), with its parameters on meta, and reads nothing more;
+``load_checkpoint(part, path/subfolder)`` then fills it. The part remembers that directory
+(:func:`~lightning_lowmem.building.deferred_parts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_lowmem.building import SOURCE, register_building_hook
+
+log = logging.getLogger(__name__)
+
+_LOCATING = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies", "subfolder")
+_READING = ("ignore_mismatched_sizes", "from_flax", "output_loading_info", "device_map", "max_memory",
+            "offload_folder", "offload_state_dict", "low_cpu_mem_usage", "variant", "use_safetensors", "disable_mmap")
+_REFUSED = ("quantization_config", "dduf_entries", "parallel_config")
+
+
+@contextlib.contextmanager
+def _deferring() -> Iterator[None]:
+    """diffusers' ``ModelMixin.from_pretrained`` builds on meta without reading, for the block; nothing is patched
+    when diffusers' models are not imported."""
+    modeling = sys.modules.get("diffusers.models.modeling_utils")
+    if modeling is None:
+        yield
+        return
+    base = modeling.ModelMixin
+    original = base.__dict__["from_pretrained"]
+    base.from_pretrained = classmethod(_from_pretrained_on_meta)
+    try:
+        yield
+    finally:
+        base.from_pretrained = original
+
+
+def _from_pretrained_on_meta(cls: type[nn.Module], path: Any, **kwargs: Any) -> nn.Module:
+    refused = [k for k in _REFUSED if kwargs.get(k) is not None]
+    if refused:
+        raise TypeError(f"{cls.__name__}.from_pretrained({str(path)!r}, {refused[0]}=...) inside init_empty(): the "
+                        "part is built on meta and filled by load_checkpoint, which does not take "
+                        f"{refused[0]}; pass quantize= to load_checkpoint, or call from_pretrained outside "
+                        "init_empty().")
+    dtype = kwargs.pop("torch_dtype", None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # diffusers' default, as its own
+    locating = {k: kwargs.pop(k) for k in _LOCATING if k in kwargs}
+    for name in _READING:
+        kwargs.pop(name, None)
+    config, unused = cls.load_config(path, return_unused_kwargs=True, **locating, **kwargs)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as diffusers' _set_default_torch_dtype
+    try:
+        model = cls.from_config(config, **unused)
+    finally:
+        torch.set_default_dtype(saved)
+    _as_loaded(model, dtype, cls._keep_in_fp32_modules or [])
+    model.register_to_config(_name_or_path=str(path))
+    source = os.path.join(str(path), locating["subfolder"]) if locating.get("subfolder") else str(path)
+    setattr(model, SOURCE, source)
+    log.info("%s.from_pretrained(%r) inside init_empty(): built on meta in %s without reading its weights; fill it "
+             "with load_checkpoint(<this part>, %r).", cls.__name__, str(path), dtype, source)
+    return model.eval()
+
+
+def _as_loaded(model: nn.Module, dtype: torch.dtype, keep: str | list[str]) -> None:
+    """Each floating parameter and persistent buffer in the dtype diffusers' loader gives what it reads: ``dtype``, or
+    float32 for its ``_keep_in_fp32_modules``; a buffer computed in the constructor and not saved stays as computed."""
+    keep = [keep] if isinstance(keep, str) else list(keep)
+
+    def wanted(name: str) -> torch.dtype:
+        return torch.float32 if any(k in name.split(".") for k in keep) else dtype
+
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and wanted(name) != param.dtype:
+            param.data = param.data.to(wanted(name))
+    for prefix, mod in model.named_modules():
+        for leaf, buffer in mod._buffers.items():
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if buffer is not None and buffer.is_floating_point() and leaf not in mod._non_persistent_buffers_set:
+                mod._buffers[leaf] = buffer.to(wanted(name))
+
+
+register_building_hook(_deferring)
