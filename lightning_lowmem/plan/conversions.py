@@ -34,8 +34,8 @@ from torch import nn
 
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats.records import TensorRecord
-from lightning_lowmem.plan.combine import Combine
-from lightning_lowmem.plan.keys import KeyMap, apply_key_map
+from lightning_lowmem.plan.combine import Combine, combined_record
+from lightning_lowmem.plan.keys import KeyMap, apply_key_map, guess_prefix
 
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -93,6 +93,33 @@ def submodule_of(module: nn.Module, matches: Callable[[nn.Module], bool]) -> tup
         if matches(sub):
             return (f"{name}." if name else ""), sub
     return None
+
+
+def tensors_filled(module_tensors: Mapping[str, torch.Tensor], records: Mapping[str, TensorRecord],
+                   key_map: KeyMap | None, combine: Combine | None) -> int:
+    """How many module tensors ``records`` fill with their own shape: renamed by ``key_map`` and built by ``combine``
+    (``key_map`` None: the names as they are, a prefix guessed). A converter whose conversion fills no more than the names
+    as they are returns none: a checkpoint already named as the module is read as it is.
+
+    Example::
+
+        >>> module = {"weight": torch.empty(2, 3, device="meta")}
+        >>> records = {"model.weight": TensorRecord("model.weight", (2, 3), torch.float32, None)}
+        >>> tensors_filled(module, records, None, None), tensors_filled(module, records, str.upper, None)
+        (1, 0)
+    """
+    if key_map is None:
+        key_map, _ = guess_prefix(set(module_tensors), list(records))
+    filled = set()
+    for key, rec in records.items():
+        name = apply_key_map(key, key_map)
+        if name in module_tensors and tuple(module_tensors[name].shape) == rec.shape:
+            filled.add(name)
+    for name in (combine.sources if combine is not None else ()):
+        found = combined_record(combine, [name], records)
+        if found.record is not None and found.record.shape == tuple(module_tensors[name].shape):
+            filled.add(name)
+    return len(filled)
 
 
 class Converter:

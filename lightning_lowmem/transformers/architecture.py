@@ -2,11 +2,17 @@
 
 A transformers model built under plain ``torch.device("meta")`` has every buffer on meta,
 the non-persistent ones (``position_ids``, ``token_type_ids``, rotary ``inv_freq``) included,
-and checkpoints usually do not hold them. ``from_pretrained`` allocates them and runs the
-model's own initialisation (``initialize_weights``) with every loaded tensor marked
-``_is_hf_initialized``, so that only what was not loaded is initialised. After a load this
-does the same. transformers itself is not imported: a module is recognised by the methods
-that initialisation uses.
+and checkpoints usually do not hold them. They are rebuilt after a load as ``from_pretrained`` of the
+installed release makes them:
+
+* transformers 5 builds its model on meta, allocates those buffers and runs the model's own initialisation
+  (``initialize_weights``) with every loaded tensor marked ``_is_hf_initialized``, so that only what was not
+  loaded is initialised; the same is done here.
+* transformers 4 builds its model with real buffers, computed by the model's ``__init__`` (its initialisation
+  does not compute them: run on meta buffers, it leaves them uninitialised memory); here the model's class is
+  built again with its parameters on meta and its buffers taken from it.
+
+transformers itself is not imported: a module is recognised by the methods its initialisation uses.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +29,16 @@ from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.placement import Architecture, register_architecture
+from lightning_lowmem.transformers.keep_fp32 import float32_rule
+from lightning_lowmem.transformers.release import at_least
 
 log = logging.getLogger(__name__)
 
 
 def is_pretrained_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers ``PreTrainedModel`` (duck-typed: transformers is not imported)."""
-    return (callable(getattr(module, "initialize_weights", None)) and callable(getattr(module, "_init_weights", None))
+    """Whether ``module`` is a transformers ``PreTrainedModel`` (duck-typed: transformers is not imported; what
+    every release from 4.46 has: ``post_init``, ``_init_weights`` and a config with a ``model_type``)."""
+    return (callable(getattr(module, "post_init", None)) and callable(getattr(module, "_init_weights", None))
             and hasattr(getattr(module, "config", None), "model_type"))
 
 
@@ -53,14 +62,11 @@ class TransformersArchitecture(Architecture):
             meta = [(_joined(prefix, name), owner, leaf) for name, owner, leaf in _meta_in(model)]
             if not meta:
                 continue
-            for tensor in [*model.parameters(), *model.buffers()]:
-                if not tensor.is_meta:
-                    tensor._is_hf_initialized = True  # loaded: initialize_weights leaves it alone
-            for name, owner, leaf in meta:
-                buffer = owner._buffers[leaf]
-                dtype = (dtypes or {}).get(name, buffer.dtype)
-                owner._buffers[leaf] = torch.empty_like(buffer, device=device, dtype=dtype)
-            model.initialize_weights()
+            wanted = [(owner, leaf, (dtypes or {}).get(name, owner._buffers[leaf].dtype)) for name, owner, leaf in meta]
+            if at_least(5):
+                _initialized(model, wanted, device)
+            else:
+                _constructed(model, wanted, device)
             rebuilt += [name for name, _, _ in meta]
         return rebuilt + super().after_load(module, device, dtypes)
 
@@ -80,7 +86,9 @@ class TransformersArchitecture(Architecture):
         if not is_pretrained_model(module):
             return []
         config = copy.deepcopy(module.config)
-        config.dtype = str(model_dtype(module)).removeprefix("torch.")
+        # transformers < 4.56 keeps the dtype as ``torch_dtype``; later releases as ``dtype``
+        setattr(config, "torch_dtype" if "torch_dtype" in vars(config) else "dtype",
+                str(model_dtype(module)).removeprefix("torch."))
         config.architectures = [type(module).__name__]
         if quantization_config is not None:
             config.quantization_config = quantization_config
@@ -115,7 +123,7 @@ def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.d
                     "(%s: %s); every floating tensor is loaded in %s.", type(model).__name__, type(e).__name__, e,
                     dtype)
         return {}
-    planned = _plan_matcher(built._get_dtype_plan(dtype) if callable(getattr(built, "_get_dtype_plan", None)) else {})
+    planned = float32_rule(built, dtype)
     loaded = set(built.state_dict(keep_vars=True))
     tensors = [*built.named_parameters(remove_duplicate=False), *built.named_buffers(remove_duplicate=False)]
     return {name: (planned(name) if name in loaded else None) or tensor.dtype
@@ -127,32 +135,37 @@ def config_as_loaded(config: Any, dtype: torch.dtype) -> Any:
     on it and on each of its sub-configs (transformers' ``_get_dtype``), so that a sub-model built from a sub-config
     that said ``torch_dtype="float32"`` is built in ``dtype``, as it is there."""
     config = copy.deepcopy(config)
-    field = "dtype" if _transformers_major() >= 5 else "torch_dtype"  # 4.x reads torch_dtype
+    field = "dtype" if at_least(5) else "torch_dtype"  # 4.x reads torch_dtype
     for part in [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", {}))]:
         if part is not None:
             setattr(part, field, dtype)
     return config
 
 
-def _transformers_major() -> int:
-    import transformers
+def _initialized(model: nn.Module, wanted: list[tuple[nn.Module, str, torch.dtype]], device: torch.device) -> None:
+    """transformers 5: each wanted buffer allocated in its dtype, then computed by the model's own initialisation,
+    which leaves every loaded tensor alone."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if not tensor.is_meta:
+            tensor._is_hf_initialized = True  # loaded: initialize_weights leaves it alone
+    for owner, leaf, dtype in wanted:
+        owner._buffers[leaf] = torch.empty_like(owner._buffers[leaf], device=device, dtype=dtype)
+    model.initialize_weights()
 
-    return int(transformers.__version__.split(".")[0])
 
+def _constructed(model: nn.Module, wanted: list[tuple[nn.Module, str, torch.dtype]], device: torch.device) -> None:
+    """transformers 4: each wanted buffer as the model's ``__init__`` computes it, under the model's dtype as the
+    default dtype (``from_pretrained`` builds its model so), from the same class built again with its parameters
+    on meta, then moved and cast as ``wanted`` says."""
+    from lightning_lowmem.meta import init_empty
 
-def _plan_matcher(plan: Mapping[str, torch.dtype]) -> Callable[[str], torch.dtype | None]:
-    """``name`` -> the dtype a transformers dtype plan gives it (None: none), matched by transformers' own globs."""
-    if not plan:
-        return lambda name: None
-    from transformers.core_model_loading import build_glob_alternation
-
-    alternation, group_glob, _ = build_glob_alternation(list(plan))
-
-    def planned(name: str) -> torch.dtype | None:
-        found = alternation.search(name)
-        return plan[group_glob[found.lastgroup]] if found else None
-
-    return planned
+    dtype = model_dtype(model)
+    with init_empty(), default_dtype(dtype):
+        built = type(model)(config_as_loaded(model.config, dtype))
+    modules = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    for owner, leaf, dtype in wanted:
+        value = built.get_buffer(_joined(modules[id(owner)], leaf))
+        owner._buffers[leaf] = value.to(device=device, dtype=dtype)
 
 
 @contextlib.contextmanager

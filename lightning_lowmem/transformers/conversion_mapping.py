@@ -20,6 +20,9 @@ A converter that makes several module tensors from the same checkpoint tensors (
 text/vision split) is refused, naming the family and the operation. The mapping is used only when the
 checkpoint needs it: when its names, converted, fill more of the module than as they are (a checkpoint
 that already holds fused experts, as :func:`~lightning_lowmem.save_checkpoint` writes them, is read as it is).
+
+transformers 4 has no conversion mapping; its ``from_pretrained`` renames the keys itself, and so does
+:mod:`~lightning_lowmem.transformers.key_renaming` when transformers 4 is installed.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from torch import nn
 
 from lightning_lowmem.errors import CheckpointMismatchError, format_names
 from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.plan import Combine, KeyMap, apply_key_map, guess_prefix
-from lightning_lowmem.plan.combine import Stack, combined_record, with_stacks
-from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, under
+from lightning_lowmem.plan import Combine
+from lightning_lowmem.plan.combine import Stack, with_stacks
+from lightning_lowmem.plan.conversions import Conversion, Converter, register_converter, tensors_filled, under
 from lightning_lowmem.transformers.conversions import pretrained_in
+from lightning_lowmem.transformers.key_renaming import renaming_conversion
+from lightning_lowmem.transformers.release import at_least
 
 
 class TransformersMapping(Converter):
@@ -49,19 +54,18 @@ class TransformersMapping(Converter):
         if found is None or getattr(checkpoint, "gguf", None) is not None:
             return None
         prefix, model = found
-        mapping = _mapping_of(model)
-        if not mapping:
-            return None
-        conversion = mapping_conversion(model, mapping, records)
+        if not at_least(5):  # no conversion mapping yet: from_pretrained renames the keys itself
+            conversion = renaming_conversion(model, records)
+        else:
+            mapping = _mapping_of(model)
+            conversion = mapping_conversion(model, mapping, records) if mapping else None
         return None if conversion is None else under(conversion, prefix)
 
 
 def _mapping_of(model: nn.Module) -> list[Any]:
-    """transformers' renamings and converters for ``model`` (none before transformers 5)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-    except ImportError:
-        return []
+    """transformers' renamings and converters for ``model`` (transformers 5)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
     return list(get_model_conversion_mapping(model))
 
 
@@ -90,7 +94,7 @@ def mapping_conversion(model: nn.Module, mapping: list[Any], records: Mapping[st
     def key_map(key: str) -> str | None:
         return renamed.get(key, key)
 
-    if _fitting(module_tensors, records, key_map, combine) <= _fitting(module_tensors, records, None, None):
+    if tensors_filled(module_tensors, records, key_map, combine) <= tensors_filled(module_tensors, records, None, None):
         return None
     operations = sorted({type(op).__name__ for converter, _ in groups.values() for op in converter.operations})
     built = f": {len(groups)} tensors built by {', '.join(operations)}" if groups else ""
@@ -200,24 +204,6 @@ def _declared_stack(converter: Any, by_pattern: Mapping[str, list[str]], keys: t
             by_expert = joined == [("Concatenate", 1)]
             start[key] = (e * len(patterns) + p) * rows if by_expert else (p * experts + e) * rows
     return Stack(tuple(start[key] for key in keys), tuple(tail))
-
-
-def _fitting(module_tensors: Mapping[str, torch.Tensor], records: Mapping[str, TensorRecord],
-             key_map: KeyMap | None, combine: Combine | None) -> int:
-    """How many module tensors ``records`` fill with their own shape: renamed by ``key_map`` and built by ``combine``
-    (None: as they are, a prefix guessed)."""
-    if key_map is None:
-        key_map, _ = guess_prefix(set(module_tensors), list(records))
-    filled = set()
-    for key, rec in records.items():
-        name = apply_key_map(key, key_map)
-        if name in module_tensors and tuple(module_tensors[name].shape) == rec.shape:
-            filled.add(name)
-    for name in (combine.sources if combine is not None else ()):
-        found = combined_record(combine, [name], records)
-        if found.record is not None and found.record.shape == tuple(module_tensors[name].shape):
-            filled.add(name)
-    return len(filled)
 
 
 TRANSFORMERS_MAPPING = register_converter(TransformersMapping())
