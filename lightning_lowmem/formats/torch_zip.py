@@ -203,10 +203,19 @@ class TorchZipFile(OpenedFile):
             raise CheckpointFormatError(f"{self.path}: tensor {key!r} cannot be read: {value.why}. The file is "
                                         f"damaged or was altered. {_RESAVE}")
         if isinstance(value, Inert) and value.name.startswith("torch."):
+            subclass = _subclass_name(value)
+            if subclass.startswith("torchao."):
+                raise CheckpointFormatError(
+                    f"{self.path}: tensor {key!r} is a pickled torchao tensor subclass ({subclass}), as transformers 4 "
+                    "writes torchao weights (save_pretrained(safe_serialization=False)); lightning_lowmem reads a "
+                    "pickle as data and builds no tensor subclass. It reads torchao weights from safetensors, as "
+                    "transformers >= 5 and save_checkpoint write them: load the full-precision checkpoint with "
+                    "quantize='torchao.int8wo' (or 'torchao.int8dq'), or load this one with transformers' "
+                    "from_pretrained.")
             raise CheckpointFormatError(
                 f"{self.path}: tensor {key!r} is a kind lightning_lowmem cannot read (sparse, quantized, meta, "
-                f"nested or a tensor subclass; {value.name}). Convert it to a plain dense tensor and save the "
-                "state dict again.")
+                f"nested or a tensor subclass; {subclass or value.name}). Convert it to a plain dense tensor and "
+                "save the state dict again.")
         if isinstance(value, Inert):
             log.info("%s: %r is not a tensor but an object built by %s; it is not loaded and nothing was run.",
                      self.path, key, value.name)
@@ -371,3 +380,9 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, TensorRef) or (isinstance(value, Inert) and value.name.startswith("torch._utils._rebuild"))
 
 
+def _subclass_name(value: Inert) -> str:
+    """The tensor subclass a ``_rebuild_from_type_v2`` placeholder names (``"torchao...Int8Tensor"``), else ""."""
+    if value.name != "torch._tensor._rebuild_from_type_v2" or len(value.args) < 2:
+        return ""
+    name = getattr(value.args[1], "name", "")  # a global the unpickler did not build (an Inert or its maker)
+    return name if isinstance(name, str) else ""

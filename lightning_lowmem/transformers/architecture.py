@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from torch import nn
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.placement import Architecture, register_architecture
 from lightning_lowmem.transformers.keep_fp32 import float32_rule
-from lightning_lowmem.transformers.release import at_least
+from lightning_lowmem.transformers.release import at_least, spelled
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class TransformersArchitecture(Architecture):
         config.architectures = [type(module).__name__]
         if quantization_config is not None:
             config.quantization_config = quantization_config
+            _warn_unreadable(quantization_config)
         config.save_pretrained(directory)
         return [directory / "config.json"]
 
@@ -101,6 +103,18 @@ class TransformersArchitecture(Architecture):
         from lightning_lowmem.transformers.auto_model import meta_model
 
         return meta_model(directory)
+
+
+def _warn_unreadable(quantization_config: Mapping[str, Any]) -> None:
+    """Warn when the installed transformers cannot read a save of this quantization: transformers 4 reads torchao's
+    int8 weights only from a pickle (``pytorch_model.bin``), never from safetensors."""
+    if quantization_config.get("quant_method") == "torchao" and not at_least(5):
+        warnings.warn(
+            f"transformers {spelled()} (installed) reads torchao weights only from a pickled pytorch_model.bin, so its "
+            "from_pretrained cannot load this save (safetensors, as transformers >= 5 writes torchao weights). "
+            "lightning_lowmem's load_checkpoint and transformers >= 5 load it; with transformers 4, quantize the "
+            "full-precision checkpoint as you load it instead (TorchAoConfig, or load_checkpoint(quantize=...)).",
+            UserWarning, stacklevel=4)
 
 
 def pretrained_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
