@@ -39,7 +39,7 @@ def tiny_config():
     ``gqa``: Llama-like, 2 query groups; ``sliding``: ``gqa`` with an 8-token sliding window on layer 0.
     """
     def make(kind: str = "pythia", **overrides):
-        from litgpt import Config
+        Config = pytest.importorskip("litgpt").Config  # a venv of transformers >= 5.4 has no litgpt: its tests skip
 
         common = dict(n_layer=2, n_embd=32, n_head=4, block_size=64, vocab_size=100, padded_vocab_size=128)
         if kind == "pythia":
@@ -67,7 +67,7 @@ def tiny_gpt():
     plugin converts a model; a one-device model keeps them converted (``eager_gpt``).
     """
     def make(config, dtype: torch.dtype = torch.float32, seed: int = 0, std: float | None = None) -> nn.Module:
-        from litgpt import GPT
+        GPT = pytest.importorskip("litgpt").GPT
 
         torch.manual_seed(seed)
         model = GPT(config)
@@ -86,7 +86,7 @@ def tiny_gpt():
 def meta_gpt():
     """``meta_gpt(config, include_buffers=False)``: litgpt's ``GPT`` built under ``init_empty()``."""
     def make(config, include_buffers: bool = False) -> nn.Module:
-        from litgpt import GPT
+        GPT = pytest.importorskip("litgpt").GPT
 
         from lightning_lowmem import init_empty
 
@@ -452,6 +452,8 @@ def write_hf_dir(tiny_config):
     def write(directory: Path, family: str, *, hidden: int = 32, tie: bool = False,
               max_shard_size: str | None = None, tokenizer: bool = True):
         import transformers
+
+        pytest.importorskip("litgpt")  # its model_config.yaml: installed beside transformers >= 5.4 only without litgpt
         from litgpt.utils import save_config
 
         cls, hf_kwargs, lit_kwargs = HF_FUSED[family]
@@ -750,6 +752,34 @@ PREQUANTIZED = ["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8", "t
 """The schemes whose checkpoints transformers writes and reads on CPU here (bitsandbytes 0.50, torchao 0.18)."""
 
 
+def _dtype_keyword() -> str:
+    """How ``from_pretrained`` and ``from_config`` of the installed transformers spell the dtype (``torch_dtype``
+    before 4.56)."""
+    from lightning_lowmem.transformers.release import at_least
+
+    return "dtype" if at_least(4, 56) else "torch_dtype"
+
+
+def _skip_where_transformers_cannot_write(scheme: str) -> None:
+    """Skip where the installed transformers cannot write ``scheme``'s checkpoint here: transformers 4 saves torchao's
+    int8 weights only as a pickle (tests/transformers/test_releases.py has what the library does with it), and
+    4.46-4.52 run bitsandbytes on CUDA only."""
+    from lightning_lowmem.transformers.release import at_least, spelled
+
+    if at_least(5):
+        return
+    if scheme.startswith("torchao."):
+        pytest.skip(f"transformers {spelled()} saves torchao int8 weights only as a pickle, not as safetensors")
+    from transformers.integrations import validate_bnb_backend_availability
+
+    try:
+        usable = validate_bnb_backend_availability(raise_exception=False)
+    except (AttributeError, RuntimeError):
+        usable = False
+    if not usable:
+        pytest.skip(f"transformers {spelled()} does not run bitsandbytes on this machine's CPU")
+
+
 def _transformers_quantization(scheme: str):
     """transformers' quantization config for ``scheme`` (bf16 compute, as ``quant_load`` loads)."""
     import transformers
@@ -778,6 +808,7 @@ def hf_prequantized(tmp_path_factory, write_hf_dir):
     made: dict[tuple[str, str], Path] = {}
 
     def make(scheme: str, family: str = "llama-gqa") -> Path:
+        _skip_where_transformers_cannot_write(scheme)
         if (scheme, family) not in made:
             import transformers
 
@@ -786,8 +817,8 @@ def hf_prequantized(tmp_path_factory, write_hf_dir):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model = transformers.AutoModelForCausalLM.from_pretrained(
-                    root / "full", quantization_config=_transformers_quantization(scheme), dtype=torch.bfloat16,
-                    device_map="cpu")
+                    root / "full", quantization_config=_transformers_quantization(scheme), device_map="cpu",
+                    **{_dtype_keyword(): torch.bfloat16})
                 model.save_pretrained(root / "quantized")
             for name in ("model_config.yaml", "tokenizer.json", "tokenizer_config.json"):
                 shutil.copy(root / "full" / name, root / "quantized" / name)
@@ -808,7 +839,7 @@ def meta_hf_model():
 
         config = transformers.AutoConfig.from_pretrained(directory)
         with init_empty():
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+            return transformers.AutoModelForCausalLM.from_config(config, **{_dtype_keyword(): torch.bfloat16}).eval()
 
     return build
 
@@ -820,7 +851,7 @@ def hf_from_pretrained():
     def load(directory: Path, dtype: torch.dtype | None = None) -> nn.Module:
         import transformers
 
-        kwargs = {"dtype": dtype} if dtype is not None else {}
+        kwargs = {_dtype_keyword(): dtype} if dtype is not None else {}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", **kwargs).eval()
@@ -869,6 +900,7 @@ def write_moe_dir():
 def large_checkpoint(tmp_path_factory, tiny_config):
     """A litgpt GPT of 160 M parameters (304 MiB in bf16; 10 layers of 12.6 M, the largest Linear 4 Mi
     elements) as a bf16 safetensors file with its ``model_config.yaml``: ``(path, config)``."""
+    pytest.importorskip("litgpt")
     from litgpt import GPT
     from litgpt.utils import save_config
     from safetensors.torch import save_file

@@ -98,8 +98,8 @@ def submodule_of(module: nn.Module, matches: Callable[[nn.Module], bool]) -> tup
 def tensors_filled(module_tensors: Mapping[str, torch.Tensor], records: Mapping[str, TensorRecord],
                    key_map: KeyMap | None, combine: Combine | None) -> int:
     """How many module tensors ``records`` fill with their own shape: renamed by ``key_map`` and built by ``combine``
-    (``key_map`` None: the names as they are, a prefix guessed). A converter whose conversion fills no more than the names
-    as they are returns none: a checkpoint already named as the module is read as it is.
+    (``key_map`` None: the names as they are, a prefix guessed). A converter whose conversion fills no more than the
+    names as they are returns none: a checkpoint already named as the module is read as it is.
 
     Example::
 

@@ -1,4 +1,4 @@
-"""The tensors ``from_pretrained(dtype=...)`` keeps in float32 whatever the dtype asked, by the installed release's rules.
+"""The tensors ``from_pretrained(dtype=...)`` keeps in float32 whatever the dtype asked, by the installed release.
 
 A model class names modules whose weights lose too much in a 16-bit dtype (T5's ``wo``). Which ones, under which
 dtype, and how a name is matched changed between releases::

@@ -19,8 +19,11 @@ from lightning_lowmem import (
     save_checkpoint,
 )
 from lightning_lowmem.quantize import BnbNF4, module_nbytes
+from lightning_lowmem.transformers.release import at_least, spelled
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(not at_least(5), reason=f"transformers {spelled()} keeps one module per expert and has "
+                                "no conversion mapping: both came with transformers 5")
 
 EXPERTS = [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")]
 

@@ -208,8 +208,8 @@ def llama128_dir(tmp_path_factory):
 
 
 def _needs_bitsandbytes_in_transformers() -> None:
-    """Skip where the installed transformers refuses bitsandbytes on this machine (before 4.5x it runs it on CUDA
-    only: its own backend check raises on a CPU, an AttributeError with bitsandbytes >= 0.46 through 4.50)."""
+    """Skip where the installed transformers refuses bitsandbytes on this machine (4.46-4.52 run it on CUDA only:
+    their backend check refuses a CPU, and fails with an AttributeError under bitsandbytes 0.50 through 4.50)."""
     if at_least(5):
         return
     from transformers.integrations import validate_bnb_backend_availability
@@ -320,7 +320,7 @@ def test_transformers_4_torchao_save_is_refused_naming_the_way_out(llama128_dir,
         config = transformers.TorchAoConfig(torchao_q.Int8WeightOnlyConfig())
         quantized = _pretrained(transformers.AutoModelForCausalLM, llama128_dir, torch.bfloat16,
                                 quantization_config=config)
-    except ImportError as e:  # 4.46-4.5x import torchao functions torchao 0.18 no longer has
+    except ImportError as e:  # 4.46 imports functions torchao 0.18 no longer has
         pytest.skip(f"transformers {spelled()} cannot quantize with the installed torchao ({e})")
     _quiet(quantized.save_pretrained, tmp_path, safe_serialization=False)
     assert (tmp_path / "pytorch_model.bin").exists() and not list(tmp_path.glob("*.safetensors"))
