@@ -173,9 +173,14 @@ def _constructed(model: nn.Module, wanted: list[tuple[nn.Module, str, torch.dtyp
     on meta, then moved and cast as ``wanted`` says."""
     from lightning_lowmem.meta import init_empty
 
-    dtype = model_dtype(model)
-    with init_empty(), default_dtype(dtype):
-        built = type(model)(config_as_loaded(model.config, dtype))
+    computed_in = model_dtype(model)
+    try:
+        with init_empty(), default_dtype(computed_in):
+            built = type(model)(config_as_loaded(model.config, computed_in))
+    except Exception as e:  # noqa: BLE001  (any model's __init__: its own errors)
+        log.warning("%s could not be built again from its config to compute its buffers (%s: %s); they stay on meta.",
+                    type(model).__name__, type(e).__name__, e)
+        return  # the load's check names what is left on meta
     modules = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
     for owner, leaf, dtype in wanted:
         value = built.get_buffer(_joined(modules[id(owner)], leaf))
