@@ -288,6 +288,32 @@ def test_bitsandbytes_saves_are_read_by_transformers(llama128_dir, tmp_path, sch
     assert torch.equal(_logits(reference), _logits(model))
 
 
+def test_a_quantized_paligemma_with_its_legacy_names_loads_as_from_pretrained_loads_it(tmp_path):
+    """The names renamed and the weights loaded as stored, together (a SigLIP without its attention-pooling head,
+    whose ``out_proj`` is no plain ``nn.Linear``; key-value heads wide enough for bitsandbytes' CPU kernel)."""
+    _needs_bitsandbytes_in_transformers()
+    cls = transformers.PaliGemmaForConditionalGeneration
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, head_dim=16, max_position_embeddings=64)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=28,
+                  patch_size=14, projection_dim=64, vision_use_head=False)
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision, projection_dim=64,
+                                          image_token_index=127, vocab_size=128)
+    _quiet(_random_weights(cls(config)).save_pretrained, tmp_path / "full")
+    quantized = _pretrained(cls, tmp_path / "full", torch.bfloat16, quantization_config=_bnb_config("bnb.nf4"))
+    _quiet(quantized.save_pretrained, tmp_path / "nf4")
+
+    model = _built(cls, tmp_path / "nf4", "init_empty", torch.bfloat16)
+    report = load_checkpoint(model, tmp_path / "nf4", dtype=torch.bfloat16, progress=False)
+    assert len(report.prequantized) == 27 and set(report.prequantized.values()) == {"bnb.nf4"}
+    assert report.conversion.startswith("transformers' conversion mapping" if at_least(5) else
+                                        f"transformers {spelled()} key renaming")
+    tokens = torch.randint(0, 120, (1, 8), generator=torch.Generator().manual_seed(1))
+    reference = _pretrained(cls, tmp_path / "nf4", torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=tokens).logits, reference(input_ids=tokens).logits)
+
+
 def _torchao_quantized(directory) -> nn.Module:
     """``directory``'s Llama quantized by torchao's own ``quantize_`` (int8 weights), as transformers' TorchAoConfig
     quantizes it."""
