@@ -111,7 +111,8 @@ def _warn_unreadable(quantization_config: Mapping[str, Any]) -> None:
     if quantization_config.get("quant_method") == "torchao" and not at_least(5):
         warnings.warn(
             f"transformers {spelled()} (installed) reads torchao weights only from a pickled pytorch_model.bin, so its "
-            "from_pretrained cannot load this save (safetensors, as transformers >= 5 writes torchao weights). "
+            "from_pretrained cannot load this save (safetensors, as transformers >= 5 writes torchao weights): it "
+            "fails, or leaves the quantized Linears initialised at random with a warning (4.53). "
             "lightning_lowmem's load_checkpoint and transformers >= 5 load it; with transformers 4, quantize the "
             "full-precision checkpoint as you load it instead (TorchAoConfig, or load_checkpoint(quantize=...)).",
             UserWarning, stacklevel=4)

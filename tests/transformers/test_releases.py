@@ -301,7 +301,10 @@ def test_a_quantized_paligemma_with_its_legacy_names_loads_as_from_pretrained_lo
                                           image_token_index=127, vocab_size=128)
     _quiet(_random_weights(cls(config)).save_pretrained, tmp_path / "full")
     quantized = _pretrained(cls, tmp_path / "full", torch.bfloat16, quantization_config=_bnb_config("bnb.nf4"))
-    _quiet(quantized.save_pretrained, tmp_path / "nf4")
+    try:
+        _quiet(quantized.save_pretrained, tmp_path / "nf4")
+    except RuntimeError as e:  # 4.53: "Some tensors share memory" (its tied embedding and lm_head)
+        pytest.skip(f"transformers {spelled()} cannot save a quantized PaliGemma ({' '.join(str(e).split())[:120]})")
 
     model = _built(cls, tmp_path / "nf4", "init_empty", torch.bfloat16)
     report = load_checkpoint(model, tmp_path / "nf4", dtype=torch.bfloat16, progress=False)
@@ -368,5 +371,8 @@ def test_a_torchao_save_is_read_by_transformers_5_or_said_unreadable_by_4(llama1
     else:
         assert len(said) == 1 and said[0].startswith(f"transformers {spelled()} (installed) reads torchao weights "
                                                      "only from a pickled pytorch_model.bin")
-        with pytest.raises(Exception):  # noqa: B017  (transformers' own error, whichever it is)
-            _pretrained(cls, tmp_path, torch.bfloat16)
+        try:  # 4.57 raises; 4.53 loads the model with its quantized Linears missing, initialised at random
+            _, info = _quiet(cls.from_pretrained, tmp_path, output_loading_info=True, **{DTYPE: torch.bfloat16})
+        except Exception:  # noqa: BLE001  (transformers' own error, whichever it is)
+            return
+        assert "model.layers.0.self_attn.q_proj.weight" in info["missing_keys"]
