@@ -15,10 +15,6 @@ from __future__ import annotations
 import re
 from functools import cache
 
-OLDEST = (4, 46)
-"""The oldest transformers release the library is tested with (pyproject.toml and docs/loading.md say the same)."""
-
-
 @cache
 def installed() -> tuple[int, int] | None:
     """``(major, minor)`` of the installed transformers (``"4.57.6"`` -> ``(4, 57)``), or None when it is not
