@@ -18,13 +18,16 @@ from functools import cache
 @cache
 def installed() -> tuple[int, int] | None:
     """``(major, minor)`` of the installed transformers (``"4.57.6"`` -> ``(4, 57)``), or None when it is not
-    installed. Read from the package's metadata: transformers itself is not imported."""
+    installed. Read from the package's metadata, else from transformers when something imported it (a copy put on
+    the path without metadata); transformers itself is not imported here."""
+    import sys
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        found = re.match(r"(\d+)\.(\d+)", version("transformers"))
+        spelled_as = version("transformers")
     except PackageNotFoundError:
-        return None
+        spelled_as = getattr(sys.modules.get("transformers"), "__version__", "")
+    found = re.match(r"(\d+)\.(\d+)", spelled_as)
     return (int(found[1]), int(found[2])) if found else None
 
 
