@@ -29,7 +29,8 @@ length of a generation (litgpt's own loop, its chat's too, runs unchanged) and p
 * **The mode.** On CUDA ``mode="reduce-overhead"`` (CUDA graphs) with ``coordinate_descent_tuning``, as litgpt sets
   it; on a CPU the default mode (CUDA graphs do not apply there).
 * **Where it does not apply**, one warning says why and the step runs eagerly: layers offloaded to the CPU or left
-  on disk (hooks move their weights for each forward), and torch.compile failing (no C++ compiler, an operator it
+  on disk (hooks move their weights for each forward; found on the model itself, whoever loaded it), and
+  torch.compile failing (no C++ compiler, an operator it
   cannot trace). A decode step that compiles into more than one graph (``bnb.int8``: bitsandbytes' int8 kernels
   return shapes that depend on the data) runs compiled, and one warning names the break.
 """
@@ -42,8 +43,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.runtime import streamers_in
 
 _COMPILED: dict[tuple[Callable[..., torch.Tensor], str | None], Callable[..., torch.Tensor]] = {}
 
@@ -108,17 +111,17 @@ def compile_mode(device: torch.device) -> str | None:
     return "reduce-overhead" if device.type == "cuda" else None
 
 
-def compile_blocker(report: Any) -> str | None:
-    """Why a model loaded with this :class:`~lightning_lowmem.LoadReport` cannot have its decode step compiled
-    (its layers' weights move for each forward), or None."""
-    if report is None:
-        return None
+def compile_blocker(report: Any, model: nn.Module | None = None) -> str | None:
+    """Why a model cannot have its decode step compiled (its layers' weights move for each forward), or None: from
+    the :class:`~lightning_lowmem.LoadReport` it was loaded with, or, whoever loaded it, from the streamers on
+    ``model`` (layers offloaded or on disk)."""
     if getattr(report, "disk", None) is not None:
         return "layers are read from the checkpoint file for each forward (disk_offload)"
     placement = getattr(report, "placement", None)
     if placement is not None and placement.offloaded:
         return f"{len(placement.offloaded)} layers are offloaded to the CPU and copied in for each forward"
-    return None
+    streamers = streamers_in(model) if model is not None else []
+    return streamers[0].streaming if streamers else None
 
 
 def _compiled(eager: Callable[..., torch.Tensor], mode: str | None) -> Callable[..., torch.Tensor]:

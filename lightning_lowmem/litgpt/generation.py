@@ -273,7 +273,8 @@ def generate(
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
             device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
-            with compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext():
+            decoding = compiled_decoding(device, blocked_by=compile_blocker(report, model)) if compile else None
+            with decoding if decoding is not None else contextlib.nullcontext():
                 _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
                              dict(temperature=temperature, top_k=top_k, top_p=top_p))
     result.memory = _memory(model, monitor, report)

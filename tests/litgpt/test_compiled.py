@@ -112,6 +112,30 @@ def test_layers_on_disk_decode_eagerly_with_one_warning(tmp_path, tiny_config, w
     assert litgpt_generate.next_token is before
 
 
+@pytest.mark.parametrize("loader", ["load_for_generation", "load_checkpoint"])
+def test_a_model_with_layers_on_disk_passed_in_decodes_eagerly_with_one_warning(tmp_path, tiny_config,
+                                                                                write_litgpt_dir, meta_gpt, loader):
+    """Whoever loaded it: generate() finds the layers on disk on the model itself, not in a load report."""
+    from lightning_lowmem import load_checkpoint
+    from lightning_lowmem.litgpt.generation import load_for_generation
+
+    config = tiny_config("pythia")
+    directory = write_litgpt_dir(tmp_path / "disk", config, torch.bfloat16, tokenizer=False)
+    eager = generate(directory, [1, 2, 3], max_new_tokens=5, temperature=0.0)
+    if loader == "load_for_generation":
+        model, _, report = load_for_generation(directory, max_memory={"cpu": "30KiB"}, disk_offload=True)
+    else:
+        model = meta_gpt(config)
+        report = load_checkpoint(model, directory / "lit_model.pth", dtype=torch.bfloat16,
+                                 max_memory={"cpu": "30KiB"}, disk_offload=True)
+    assert report.placement.on_disk
+    with pytest.warns(UserWarning, match=r"not compiling, layers are read from the checkpoint file") as seen:
+        got = generate(model.eval(), [1, 2, 3], max_new_tokens=5, temperature=0.0, compile=True)
+    assert len([w for w in seen if "compile=True" in str(w.message)]) == 1
+    assert got.tokens[0].tolist() == eager.tokens[0].tolist()
+    report.disk.close()
+
+
 def test_litgpts_next_token_is_put_back_when_generation_fails(tiny_config, tiny_gpt):
     import litgpt.generate.base as litgpt_generate
 
