@@ -7,8 +7,9 @@ same with ``dynamic=True``, and its chat then holds the caches for the model's w
 calls ``next_token`` by its module-level name, so :func:`compiled_decoding` puts a :class:`DecodeStep` there for the
 length of a generation (litgpt's own loop, its chat's too, runs unchanged) and puts back what was there after:
 
-* **The decode step is compiled, the prefill is not.** A forward of one token goes to ``next_token`` compiled; the
-  prompt's forward, once a request, runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
+* **The decode step is compiled, the prefill is not.** A forward of one token after the prompt goes to
+  ``next_token`` compiled; the prompt's forward, once a request and whatever its length (a 1-token prompt's too,
+  told by its position), runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
   repacking forward outside the compiled graph).
 * **The cache read as eager reads it; on CUDA, one shape a request.** On a CPU the compiled step takes litgpt's
   ``input_pos_maxp1`` (attention over the filled positions only, as the eager loop), a symbolic int. On CUDA it reads
@@ -63,7 +64,7 @@ class DecodeStep:
 
     def __call__(self, model: Any, input_pos: torch.Tensor, x: torch.Tensor, input_pos_maxp1: int | None = None,
                  **sample: Any) -> torch.Tensor:
-        if x.size(-1) != 1 or self.failed is not None:
+        if self.failed is not None or _prefill(input_pos, x, input_pos_maxp1):
             return self.eager(model, input_pos, x, input_pos_maxp1=input_pos_maxp1, **sample)
         breaks = _graph_breaks()
         try:
@@ -76,6 +77,17 @@ class DecodeStep:
             return self.eager(model, input_pos, x, input_pos_maxp1=input_pos_maxp1, **sample)
         _warn_breaks(breaks)
         return token
+
+
+def _prefill(input_pos: torch.Tensor, x: torch.Tensor, input_pos_maxp1: int | None) -> bool:
+    """Whether litgpt's loop asks for the prompt's forward: more than one token, or one token at the first position
+    (a 1-token prompt). litgpt passes ``input_pos_maxp1`` = the positions filled after this forward, the prompt's
+    length for the prompt's forward; without it (litgpt leaves it out for Thunder modules) the position is read."""
+    if x.size(-1) != 1:
+        return True
+    if input_pos_maxp1 is not None:
+        return input_pos_maxp1 <= 1
+    return int(input_pos.reshape(-1)[0]) == 0
 
 
 @contextlib.contextmanager

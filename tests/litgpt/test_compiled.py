@@ -76,6 +76,21 @@ def test_one_graph_serves_requests_of_other_lengths(tiny_config, tiny_gpt):
 
 
 @pytest.mark.slow
+def test_a_one_token_prompt_runs_its_forward_eagerly_and_decodes_with_the_one_graph(tiny_config, tiny_gpt):
+    """The prompt's forward (prefill) is told by its position, not by its length: a 1-token prompt is a prefill."""
+    model = tiny_gpt(tiny_config("pythia", n_layer=1, n_head=2), torch.bfloat16, std=0.3).eval()
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=0.0, compile=True)
+    graphs = _unique_graphs()
+    for prompt in ([7], [9]):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = generate(model, prompt, max_new_tokens=6, temperature=0.0, compile=True)
+        assert not [w for w in seen if "compile=True" in str(w.message)]
+        assert got.tokens[0].tolist() == generate(model, prompt, max_new_tokens=6, temperature=0.0).tokens[0].tolist()
+    assert _unique_graphs() == graphs
+
+
+@pytest.mark.slow
 def test_a_scheme_whose_kernels_split_the_graph_runs_compiled_and_says_so(tmp_path, tiny_config, write_litgpt_dir):
     """bitsandbytes' int8 kernels return shapes that depend on the data: one graph break at each of their calls."""
     directory = write_litgpt_dir(tmp_path / "int8", tiny_config("gqa", n_embd=64, intermediate_size=256),
