@@ -30,7 +30,8 @@ CHAT_TEMPLATE_STYLE = "lightning_lowmem.litgpt.chat_template.ChatTemplate"
 """The ``class_path`` a ``prompt_style.yaml`` gives for "the chat template of this directory's tokenizer_config.json"."""
 
 
-def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None, tokenizer: Any | None = None) -> Any:
+def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None, tokenizer: Any | None = None,
+                     source: str | None = None) -> Any:
     """litgpt's ``PromptStyle`` for a checkpoint in ``directory`` (see the module's docstring).
 
     Args:
@@ -38,6 +39,7 @@ def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None, toke
         config: the litgpt ``Config`` (its name picks litgpt's style).
         gguf: a GGUF file's ``GGUFSource``, or None.
         tokenizer: the checkpoint's tokenizer, for a chat template's special and end-of-turn tokens.
+        source: the GGUF file, for messages about its chat template.
 
     Raises:
         CheckpointFormatError: ``prompt_style.yaml`` is no mapping with a ``class_path`` string, or names the chat
@@ -53,7 +55,8 @@ def prompt_style_for(directory: Path, config: Any, gguf: Any | None = None, toke
     if gguf is not None:
         from lightning_lowmem.litgpt.chat_template import chat_template_style
 
-        style = chat_template_style(gguf.chat_template, gguf.tokenizer)
+        source = f"the GGUF file in {directory} (tokenizer.chat_template)" if source is None else source
+        style = chat_template_style(gguf.chat_template, gguf.tokenizer, source)
         if style is not None:
             return style
     return prompts.PromptStyle.from_config(config)
@@ -69,15 +72,22 @@ def styled_prompt(prompt: str, style: Any, found: Any | None, config: Any, sys_p
     """
     prompts = import_litgpt("litgpt.prompts", needed_by="Applying a prompt style")
     if style == "auto":
-        style = prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer) if found is not None \
+        style = prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer,
+                                 f"{found.weights} (tokenizer.chat_template)") if found is not None \
             else prompts.PromptStyle.from_config(config)
     elif isinstance(style, str):
-        if style not in prompts.prompt_styles:
-            raise ValueError(f"prompt_style={style!r} is no litgpt prompt style: pass 'auto' (the checkpoint's), None "
-                             f"(the prompt as given), a litgpt.prompts.PromptStyle, or one of "
-                             f"{', '.join(sorted(prompts.prompt_styles))}.")
+        check_style_name(style)
         style = prompts.PromptStyle.from_name(style)
     return style.apply(prompt, sys_prompt=sys_prompt)
+
+
+def check_style_name(style: str) -> None:
+    """Raise ``ValueError`` unless ``style`` is ``"auto"`` or the name of one of litgpt's prompt styles."""
+    prompts = import_litgpt("litgpt.prompts", needed_by="Applying a prompt style")
+    if style != "auto" and style not in prompts.prompt_styles:
+        raise ValueError(f"prompt_style={style!r} is no litgpt prompt style: pass 'auto' (the checkpoint's), None "
+                         f"(the prompt as given), a litgpt.prompts.PromptStyle, or one of "
+                         f"{', '.join(sorted(prompts.prompt_styles))}.")
 
 
 def known_prompt_styles() -> dict[str, type]:
@@ -155,7 +165,8 @@ def _directory_template(directory: Path, tokenizer: Any | None) -> Any:
         template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
     except (OSError, ValueError, AttributeError):
         template = None
-    style = chat_template_style(template if isinstance(template, str) else None, tokenizer)
+    style = chat_template_style(template if isinstance(template, str) else None, tokenizer,
+                                f"{path} (chat_template)")
     if style is None:
         raise CheckpointFormatError(
             f"{directory / 'prompt_style.yaml'} says the prompt style is the chat template of {path}, but "

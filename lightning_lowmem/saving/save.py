@@ -127,7 +127,7 @@ def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int 
     copies = _copies(copy_files)
     module = fabric_unwrapped(module)
     state = module_state(module)
-    plan = plan_sharded(state.tensors, state.metadata, parse_bytes(max_shard_size))
+    plan = plan_sharded(state.tensors, state.metadata, parse_bytes(max_shard_size, name="max_shard_size"))
     sizes = [*plan.sizes, *(source.stat().st_size for source in copies)]
     with checkpoint_directory(directory, sizes=sizes, overwrite=overwrite) as new:
         written = write_sharded(new, plan)
