@@ -79,6 +79,7 @@ def test_one_graph_serves_requests_of_other_lengths(tiny_config, tiny_gpt):
 def test_a_one_token_prompt_runs_its_forward_eagerly_and_decodes_with_the_one_graph(tiny_config, tiny_gpt):
     """The prompt's forward (prefill) is told by its position, not by its length: a 1-token prompt is a prefill."""
     model = tiny_gpt(tiny_config("pythia", n_layer=1, n_head=2), torch.bfloat16, std=0.3).eval()
+    torch._dynamo.reset()  # dynamo compiles one function at most 8 times a process: leave the tests after room
     generate(model, [1, 2, 3], max_new_tokens=4, temperature=0.0, compile=True)
     graphs = _unique_graphs()
     for prompt in ([7], [9]):
