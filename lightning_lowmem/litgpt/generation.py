@@ -246,11 +246,11 @@ def generate(
         With a checkpoint directory: ``generate("checkpoints/EleutherAI/pythia-1b", "What do llamas eat?",
         max_new_tokens=50, quantize="bnb.nf4")``.
     """
+    # imported before the monitor starts: its import is no model memory
+    import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
     sampling = check_request(max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature,
                              top_k=top_k, top_p=top_p, seed=seed, compile=compile, sys_prompt=sys_prompt,
                              prompt_style=prompt_style, tokenizer=tokenizer, precision=precision)
-    # imported before the monitor starts: its import is no model memory
-    import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
 
     options = generation_options(options, precision, generate, device=device, dtype=dtype, quantize=quantize,
                                  **load_options)
