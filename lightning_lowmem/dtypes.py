@@ -33,6 +33,7 @@ def precision_dtype(precision: str) -> torch.dtype:
     """The dtype of a ``"-true"`` precision flag.
 
     Raises:
+        TypeError: not a str.
         ValueError: a flag that is not in :data:`PRECISION_DTYPES` (mixed precisions included).
 
     Example::
@@ -40,6 +41,8 @@ def precision_dtype(precision: str) -> torch.dtype:
         >>> precision_dtype("bf16-true")
         torch.bfloat16
     """
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be a str such as 'bf16-true', got {precision!r}.")
     if precision not in PRECISION_DTYPES:
         raise ValueError(
             f"precision={precision!r} is not a precision that keeps weights in one dtype; use one of "

@@ -176,6 +176,95 @@ def test_an_unknown_keyword_names_the_face_and_a_close_match(name):
             face.call(face.get(), **{typo: None})
 
 
+# ---------------------------------------------------------------- bad values: the documented types
+
+NAN, INF = float("nan"), float("inf")
+V, T = ValueError, TypeError
+
+FIELD_VALUES = {  # more bad values of the LoadOptions fields, each with the type docs/errors.md documents
+    "max_memory": [({"gpu": "1GiB"}, V), ({"disk": "1GiB"}, V), ({"meta": 1}, V), ({-1: "1GiB"}, V),
+                   ({"cuda:x": 1}, V), ({0: "1GiB", "cuda": "1GiB"}, V), ({"cpu": "-1GiB"}, V), ({"cpu": -1}, V),
+                   ({"cpu": "1e400GiB"}, V), ({"cpu": "nan"}, V), ({"cpu": "1 gigabyte"}, V), ({"cpu": 10**30}, V),
+                   ({"cpu": None}, T), ({"cpu": 1.5}, T), ({"cpu": True}, T), ({True: "1GiB"}, T), ({None: 1}, T),
+                   ("cpu=1GiB", T), (["cpu"], T)],
+    "device": [("gpu", V), (1.5, V), ("cuda:x", V)],
+    "dtype": [("bf16", T), (torch.int8, T)],
+    "context": [(-1, V), (1.5, T), (True, T)],
+    "batch_size": [(0, V), (1.5, T), (None, T)],
+}
+
+
+def _field_values() -> list[tuple[str, Any, type]]:
+    return [(name, value, kind) for name, values in FIELD_VALUES.items() for value, kind in values]
+
+
+@pytest.mark.parametrize(("option", "value", "kind"), _field_values(), ids=repr)
+def test_a_bad_field_value_is_the_documented_type_naming_the_field(option, value, kind):
+    with pytest.raises(kind, match=rf"\b{option}\b"):
+        LoadOptions(**{option: value})
+
+
+@pytest.mark.parametrize("name", FACES)
+def test_a_budget_for_no_device_is_a_value_error_naming_max_memory(name):
+    """``max_memory={"gpu": ...}``: torch's raw RuntimeError before; every face now, the same ValueError."""
+    face = FACES[name]
+    with pytest.raises(ValueError, match=r"\bmax_memory\b") as error:
+        face.call(face.get(), max_memory={"gpu": "1GiB"})
+    assert "'gpu'" in str(error.value) or "max_memory" in face.refuses
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    from litgpt import GPT, Config
+
+    torch.manual_seed(0)
+    return GPT(Config(n_layer=1, n_embd=16, n_head=2, block_size=32, vocab_size=64, padded_vocab_size=64,
+                      rotary_percentage=1.0, intermediate_size=32)).eval()
+
+
+OWN_VALUES = {  # the faces' own keywords: (face, keyword) -> [(bad value, documented type)]
+    ("generate", "max_new_tokens"): [(0, V), (-1, V), (1.5, T), (True, T), ("5", T), (None, T), (NAN, T)],
+    ("generate", "num_samples"): [(0, V), (1.5, T), (True, T), (None, T)],
+    ("generate", "temperature"): [(-1, V), (NAN, V), (INF, V), ("1", T), (None, T), (True, T)],
+    ("generate", "top_k"): [(0, V), (-1, V), (1.5, T), ("1", T), (True, T), (INF, T)],
+    ("generate", "top_p"): [(-0.1, V), (1.5, V), (NAN, V), ("1", T), (None, T), (True, T)],
+    ("generate", "seed"): [(1.5, T), ("1", T), (True, T), (INF, T), (10**30, V)],
+    ("generate", "compile"): [("x", T), (1, T), (None, T)],
+    ("generate", "sys_prompt"): [(5, T), (["a"], T)],
+    ("generate", "prompt_style"): [(5, T), (1.5, T), (["alpaca"], T), ("no-such-style", V)],
+    ("generate", "tokenizer"): [(5, T), ("x", T)],
+    ("generate", "precision"): [("fp8", V), (5, T), ({}, T)],
+    ("setup_kv_cache", "batch_size"): [(0, V), (1.5, T), (True, T), (None, T)],
+    ("setup_kv_cache", "max_seq_length"): [(0, V), (NAN, T), (1.5, T), (True, T)],
+    ("setup_kv_cache", "device"): [("gpu", V), ("cuda:x", V), (1.5, V)],
+    ("setup_kv_cache", "dtype"): [("bf16", T), (torch.int8, T)],
+    ("setup_kv_cache", "rope_dtype"): [("bf16", T), (torch.int8, T), (5, T)],
+    ("placement_plan", "kv_cache_bytes"): [(-1, V), (1.5, T), ("1GiB", T), (True, T)],
+    ("placement_plan", "activation_bytes"): [(-1, V), (1.5, T), (True, T)],
+    ("placement_plan", "read_bandwidth"): [(0, V), (-1, V), (NAN, V), (INF, V), ("2GB/s", T), (True, T)],
+    ("LowMemCallback", "save_frozen"): [("yes", T), (None, T), (1, T)],
+    ("LowMemStrategy", "init_added"): [("yes", T), (None, T), (1, T)],
+}
+
+
+def _own_call(face: str, small_gpt: nn.Module) -> Callable[..., Any]:
+    from lightning_lowmem import setup_kv_cache
+
+    return {"generate": lambda **kw: generate(small_gpt, [1, 2], **{"max_new_tokens": 2, **kw}),
+            "setup_kv_cache": lambda **kw: setup_kv_cache(small_gpt, **{"batch_size": 1, "max_seq_length": 8, **kw}),
+            "placement_plan": lambda **kw: placement_plan(_module(), None, {"cpu": "1GiB"}, **kw),
+            "LowMemCallback": lambda **kw: _lightning("LowMemCallback")("missing.pth", **kw),
+            "LowMemStrategy": lambda **kw: _lightning("LowMemStrategy")(**kw)}[face]
+
+
+@pytest.mark.parametrize(("face", "keyword", "value", "kind"),
+                         [(f, k, v, t) for (f, k), values in OWN_VALUES.items() for v, t in values], ids=repr)
+def test_a_bad_value_of_a_faces_own_keyword_is_the_documented_type_naming_it(small_gpt, face, keyword, value, kind):
+    """Refused before anything is read or generated: never torch's or litgpt's raw error from deep inside."""
+    with pytest.raises(kind, match=rf"\b{keyword}\b"):
+        _own_call(face, small_gpt)(**{keyword: value})
+
+
 # ---------------------------------------------------------------- the docs
 
 DOCS = sorted([*ROOT.glob("docs/*.md"), ROOT / "README.md", *ROOT.glob("examples/*.py")])

@@ -125,7 +125,8 @@ def _prompt_style(found: Any) -> Any:
     """The directory's prompt style, a GGUF file's own chat template, or litgpt's for the config's name."""
     from lightning_lowmem.cli.prompts import prompt_style_for
 
-    return prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer)
+    return prompt_style_for(found.directory, found.config, found.gguf, found.tokenizer,
+                            f"{found.weights} (tokenizer.chat_template)")
 
 
 def _seed() -> None:

@@ -211,6 +211,8 @@ def max_memory(text: str) -> dict[str, str]:
         if not sep or not device or not size:
             raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE[,DEVICE=SIZE], e.g. cuda:0=6GiB,cpu=20GiB; "
                                              f"got {item!r} in {text!r}")
+        if device in budgets:
+            raise argparse.ArgumentTypeError(f"{device!r} is given twice in {text!r}: give each device one budget")
         budgets[device] = size
     if not budgets:
         raise argparse.ArgumentTypeError(f"expected DEVICE=SIZE[,DEVICE=SIZE], e.g. cuda:0=6GiB,cpu=20GiB; got {text!r}")

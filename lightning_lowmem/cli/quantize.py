@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         args.parser.error(f"--out {str(args.out)!r} is the checkpoint's own directory: write the copy elsewhere")
     if os.path.lexists(out) and not out.is_dir():
         args.parser.error(f"--out {str(args.out)!r} is a file: give a directory to write the copy into")
-    parse_bytes(args.max_shard_size)  # a bad size fails before the load, not after it
+    parse_bytes(args.max_shard_size, name="max_shard_size")  # a bad size fails before the load, not after it
     skip = tuple(args.skip_quantize.split(",")) if args.skip_quantize else None
     check_save_target(out, sizes=[_model_bytes(found, args, skip)], overwrite=args.overwrite)  # before any read
     model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip, prefer=args.weights),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lowmem.arguments import check_int, check_real
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.runtime.disk_units import check_streamable
 from lightning_lowmem.runtime.execution import ExecutionPlan
@@ -205,6 +206,8 @@ def placement_plan(
     Raises:
         MemoryBudgetError: the execution device cannot hold one layer plus its cache, or the
             model does not fit in all budgets together; ``.needed`` and ``.available`` are bytes.
+        TypeError, ValueError: a byte count that is not an int >= 0, a ``read_bandwidth`` that is not a finite
+            number above 0.
 
     Example::
 
@@ -217,6 +220,9 @@ def placement_plan(
     """
     options = LoadOptions.merge(options, placement_plan, max_memory=max_memory, dtype=dtype, quantize=quantize,
                                 **load_options)
+    check_int("kv_cache_bytes", kv_cache_bytes, 0, optional=True)
+    check_int("activation_bytes", activation_bytes, 0, optional=True)
+    check_real("read_bandwidth", read_bandwidth, 0.0, above=True, optional=True)
     if options.budgets is None:
         raise ValueError("placement_plan needs max_memory (here or in options), "
                          "e.g. {'cuda:0': '6GiB', 'cpu': '20GiB'}.")

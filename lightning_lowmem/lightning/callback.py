@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_lowmem.arguments import check_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.errors import CheckpointMismatchError, CheckpointNotFoundError, format_names
 from lightning_lowmem.lightning.load import TRAINER_LOG, LightningLoader
@@ -72,6 +73,7 @@ class LowMemCallback(pl.Callback):
         **load_options: Any,
     ) -> None:
         options = LoadOptions.merge(options, type(self), dtype=dtype, quantize=quantize, **load_options)
+        check_flag("save_frozen", save_frozen)
         if options.device is not None:
             raise ValueError(
                 f"{type(self).__name__} loads onto the Trainer's device (trainer.strategy.root_device), which "

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_lowmem.arguments import check_flag
 from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, allocate_shards, run_load
 from lightning_lowmem.engine.defaults import compute_dtype, execution_device
@@ -64,6 +65,7 @@ class LightningLoader:
 
     def __init__(self, options: LoadOptions, init_added: bool = True, logger: logging.Logger | None = None,
                  face: str = "") -> None:
+        check_flag("init_added", init_added)
         self.options = options
         self.init_added = init_added
         self.logger, self.face = logger, face

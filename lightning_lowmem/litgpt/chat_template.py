@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_lowmem.errors import CheckpointFormatError
 from lightning_lowmem.litgpt.gguf_tokenizer import TemplatedPrompt
 from lightning_lowmem.litgpt.requirement import import_litgpt
 
@@ -39,26 +40,39 @@ class ChatTemplate(PromptStyle):
         ('<|system|>be brief<|user|>hi<|assistant|>', ([2],))
     """
 
-    def __init__(self, template: str, special_tokens: dict[str, str], stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, template: str, special_tokens: dict[str, str], stop_ids: tuple[int, ...], *,
+                 source: str = "the checkpoint's chat template") -> None:
         self.template, self.special_tokens, self.stop_ids = template, dict(special_tokens), tuple(stop_ids)
+        self.source = source
 
     def apply(self, prompt: str, *, sys_prompt: str | None = None, **kwargs: Any) -> str:
+        """The prompt rendered. A template that cannot be rendered (a syntax error, an attribute the sandbox
+        refuses, a range past its limit, unbounded recursion, its own ``raise_exception``) is a
+        :class:`~lightning_lowmem.CheckpointFormatError` naming :attr:`source`: the template is the checkpoint's."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         messages = ([{"role": "system", "content": sys_prompt}] if sys_prompt else [])
         messages.append({"role": "user", "content": prompt})
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
-                                            add_generation_prompt=True, **self.special_tokens)
+        try:
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
+                                                add_generation_prompt=True, **self.special_tokens)
+        except Exception as e:  # noqa: BLE001  (jinja2's, its sandbox's and the template's own: the file's fault)
+            what = " ".join(str(e).split())[:200]
+            raise CheckpointFormatError(
+                f"The chat template of {self.source} cannot be rendered ({type(e).__name__}: {what}); it is rendered "
+                "in transformers' sandbox, which refused it. Pass prompt_style=None to generate() to send the prompt "
+                "as given (or a litgpt style's name), or fix the template in the file.") from e
         return TemplatedPrompt(rendered[0])
 
     def stop_tokens(self, tokenizer: Any) -> tuple[list[int], ...]:
         return tuple([i] for i in self.stop_ids)
 
 
-def chat_template_style(template: str | None, tokenizer: Any | None) -> ChatTemplate | None:
+def chat_template_style(template: str | None, tokenizer: Any | None,
+                        source: str = "the checkpoint's chat template") -> ChatTemplate | None:
     """The :class:`ChatTemplate` of a GGUF file's template and tokenizer (a ``GGUFTokenizer``); None without
-    either."""
+    either. ``source`` names where the template came from, for messages."""
     if not template or tokenizer is None:
         return None
     stops = getattr(tokenizer, "end_of_turn", ()) or ((tokenizer.eos_id,) if tokenizer.eos_id is not None else ())
-    return ChatTemplate(template, getattr(tokenizer, "special_tokens", {}), stops)
+    return ChatTemplate(template, getattr(tokenizer, "special_tokens", {}), stops, source=source)

@@ -37,7 +37,7 @@ from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
 from lightning_lowmem.litgpt.gguf import GGUFSource, litgpt_config, read_gguf_source
 from lightning_lowmem.litgpt.architecture import LITGPT
-from lightning_lowmem.litgpt.config_check import check_config_fits
+from lightning_lowmem.litgpt.config_check import check_class_names, check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.prompt_style import has_chat_template_style
 from lightning_lowmem.litgpt.requirement import import_litgpt
@@ -277,17 +277,21 @@ def config_from_file(path: Path) -> Any:
     Raises:
         CheckpointFormatError: ``path`` is not YAML (a syntax error, a ``!!python/...`` tag, which ``yaml.safe_load``
             refuses), not a mapping, or not ``Config``'s fields.
+        UnsafeCheckpointError: it names an MLP or norm class litgpt's configs do not use
+            (:func:`~lightning_lowmem.litgpt.config_check.check_class_names`).
     """
     Config = import_litgpt(needed_by="Reading a model_config.yaml").Config
 
     try:
-        return Config.from_file(path)
+        config = Config.from_file(path)
     except Exception as e:  # noqa: BLE001  (yaml's, litgpt's and Config's errors: any of them means a bad file)
         raise CheckpointFormatError(
             f"{path} is not a litgpt config ({type(e).__name__}: {' '.join(str(e).split())[:300]}). It must be a YAML "
             "mapping of litgpt Config's fields, as litgpt "
             "writes it (litgpt.utils.save_config); fix or remove it, or pass the config another way (--config NAME, "
             "or config=litgpt.Config.from_name(NAME)).") from e
+    check_class_names(config, path)
+    return config
 
 
 def has_tokenizer(directory: Path) -> bool:

@@ -7,8 +7,9 @@ same with ``dynamic=True``, and its chat then holds the caches for the model's w
 calls ``next_token`` by its module-level name, so :func:`compiled_decoding` puts a :class:`DecodeStep` there for the
 length of a generation (litgpt's own loop, its chat's too, runs unchanged) and puts back what was there after:
 
-* **The decode step is compiled, the prefill is not.** A forward of one token goes to ``next_token`` compiled; the
-  prompt's forward, once a request, runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
+* **The decode step is compiled, the prefill is not.** A forward of one token after the prompt goes to
+  ``next_token`` compiled; the prompt's forward, once a request and whatever its length (a 1-token prompt's too,
+  told by its position), runs eagerly as litgpt runs it (it also gives bitsandbytes its first,
   repacking forward outside the compiled graph).
 * **The cache read as eager reads it; on CUDA, one shape a request.** On a CPU the compiled step takes litgpt's
   ``input_pos_maxp1`` (attention over the filled positions only, as the eager loop), a symbolic int. On CUDA it reads
@@ -29,7 +30,8 @@ length of a generation (litgpt's own loop, its chat's too, runs unchanged) and p
 * **The mode.** On CUDA ``mode="reduce-overhead"`` (CUDA graphs) with ``coordinate_descent_tuning``, as litgpt sets
   it; on a CPU the default mode (CUDA graphs do not apply there).
 * **Where it does not apply**, one warning says why and the step runs eagerly: layers offloaded to the CPU or left
-  on disk (hooks move their weights for each forward), and torch.compile failing (no C++ compiler, an operator it
+  on disk (hooks move their weights for each forward; found on the model itself, whoever loaded it), and
+  torch.compile failing (no C++ compiler, an operator it
   cannot trace). A decode step that compiles into more than one graph (``bnb.int8``: bitsandbytes' int8 kernels
   return shapes that depend on the data) runs compiled, and one warning names the break.
 """
@@ -42,8 +44,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.runtime import streamers_in
 
 _COMPILED: dict[tuple[Callable[..., torch.Tensor], str | None], Callable[..., torch.Tensor]] = {}
 
@@ -60,7 +64,7 @@ class DecodeStep:
 
     def __call__(self, model: Any, input_pos: torch.Tensor, x: torch.Tensor, input_pos_maxp1: int | None = None,
                  **sample: Any) -> torch.Tensor:
-        if x.size(-1) != 1 or self.failed is not None:
+        if self.failed is not None or _prefill(input_pos, x, input_pos_maxp1):
             return self.eager(model, input_pos, x, input_pos_maxp1=input_pos_maxp1, **sample)
         breaks = _graph_breaks()
         try:
@@ -73,6 +77,17 @@ class DecodeStep:
             return self.eager(model, input_pos, x, input_pos_maxp1=input_pos_maxp1, **sample)
         _warn_breaks(breaks)
         return token
+
+
+def _prefill(input_pos: torch.Tensor, x: torch.Tensor, input_pos_maxp1: int | None) -> bool:
+    """Whether litgpt's loop asks for the prompt's forward: more than one token, or one token at the first position
+    (a 1-token prompt). litgpt passes ``input_pos_maxp1`` = the positions filled after this forward, the prompt's
+    length for the prompt's forward; without it (litgpt leaves it out for Thunder modules) the position is read."""
+    if x.size(-1) != 1:
+        return True
+    if input_pos_maxp1 is not None:
+        return input_pos_maxp1 <= 1
+    return int(input_pos.reshape(-1)[0]) == 0
 
 
 @contextlib.contextmanager
@@ -108,17 +123,17 @@ def compile_mode(device: torch.device) -> str | None:
     return "reduce-overhead" if device.type == "cuda" else None
 
 
-def compile_blocker(report: Any) -> str | None:
-    """Why a model loaded with this :class:`~lightning_lowmem.LoadReport` cannot have its decode step compiled
-    (its layers' weights move for each forward), or None."""
-    if report is None:
-        return None
+def compile_blocker(report: Any, model: nn.Module | None = None) -> str | None:
+    """Why a model cannot have its decode step compiled (its layers' weights move for each forward), or None: from
+    the :class:`~lightning_lowmem.LoadReport` it was loaded with, or, whoever loaded it, from the streamers on
+    ``model`` (layers offloaded or on disk)."""
     if getattr(report, "disk", None) is not None:
         return "layers are read from the checkpoint file for each forward (disk_offload)"
     placement = getattr(report, "placement", None)
     if placement is not None and placement.offloaded:
         return f"{len(placement.offloaded)} layers are offloaded to the CPU and copied in for each forward"
-    return None
+    streamers = streamers_in(model) if model is not None else []
+    return streamers[0].streaming if streamers else None
 
 
 def _compiled(eager: Callable[..., torch.Tensor], mode: str | None) -> Callable[..., torch.Tensor]:

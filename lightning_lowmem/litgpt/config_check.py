@@ -15,12 +15,54 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lightning_lowmem.errors import CheckpointMismatchError
+from lightning_lowmem.errors import CheckpointMismatchError, UnsafeCheckpointError, format_names
 from lightning_lowmem.formats import TensorRecord
 
 _BLOCK = re.compile(r"^(transformer\.h|model\.layers|gpt_neox\.layers)\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 _EMBEDDINGS = ("transformer.wte.weight", "model.embed_tokens.weight", "gpt_neox.embed_in.weight")
+NORM_CLASSES = ("LayerNorm", "RMSNorm")
+"""The ``norm_class_name`` values litgpt's configs use (litgpt's ``RMSNorm``, ``torch.nn.LayerNorm``)."""
+
+
+def check_class_names(config: Any, path: Any) -> None:
+    """Raise unless the class names of ``config``, read from the file ``path``, are among litgpt's own: an MLP class
+    of ``litgpt.model`` (``LLaMAMLP``, ``GptNeoxMLP``, ``GemmaMLP``, ``LLaMAMoE``) and a norm of :data:`NORM_CLASSES`.
+
+    Raises:
+        UnsafeCheckpointError: naming the file, the key and the value; nothing it names was looked up or called.
+
+    Example::
+
+        >>> from litgpt import Config
+        >>> check_class_names(Config(mlp_class_name="LLaMAMLP", intermediate_size=64), "model_config.yaml")
+        >>> try:
+        ...     check_class_names(Config(mlp_class_name="GPT", intermediate_size=64), "model_config.yaml")
+        ... except UnsafeCheckpointError as e:
+        ...     print(str(e).partition(",")[0])
+        model_config.yaml names mlp_class_name: 'GPT'
+    """
+    known = {"mlp_class_name": mlp_classes(), "norm_class_name": NORM_CLASSES}
+    for key, names in known.items():
+        value = getattr(config, key)
+        if value not in names:
+            raise UnsafeCheckpointError(
+                f"{path} names {key}: {value!r}, which is none of litgpt's classes for it ({format_names(names)}); "
+                "litgpt would look that name up and call it while building the model, so no model was built. Use "
+                "the config the checkpoint was saved with, or pass the config another way (--config NAME, or "
+                "config=litgpt.Config.from_name(NAME)).")
+
+
+def mlp_classes() -> tuple[str, ...]:
+    """The MLP classes of ``litgpt.model`` a config may name (its ``nn.Module`` classes named ``...MLP``/``...MoE``)."""
+    from torch import nn
+
+    from lightning_lowmem.litgpt.requirement import import_litgpt
+
+    model = import_litgpt("litgpt.model", needed_by="Checking a litgpt config's class names")
+    return tuple(sorted(name for name, value in vars(model).items()
+                        if isinstance(value, type) and issubclass(value, nn.Module)
+                        and value.__module__ == model.__name__ and name.endswith(("MLP", "MoE"))))
 
 
 def check_config_fits(config: Any, records: Mapping[str, TensorRecord], files: str = "the checkpoint") -> None:

@@ -28,6 +28,7 @@ from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt.prompt_style import styled_prompt
+from lightning_lowmem.litgpt.request import check_request
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
 from lightning_lowmem.quantize import QuantScheme, module_nbytes
@@ -108,9 +109,9 @@ def generation_options(options: LoadOptions | None, precision: str | None, face:
     ``TypeError`` naming ``face``), the dtype :func:`~lightning_lowmem.engine.defaults.generation_dtype` (``dtype``,
     else ``options.dtype``, else ``precision``, litgpt's ``--precision``, else bf16), and the device (``device``, else
     ``options.device``, else the CPU; with ``max_memory``, the placement's execution device instead)."""
-    given = dtype or (options.dtype if options is not None else None)
+    given = dtype if dtype is not None else options.dtype if options is not None else None
     options = LoadOptions.merge(options, face, **overrides, dtype=generation_dtype(given, precision))
-    device = device or options.device
+    device = device if device is not None else options.device
     if options.budgets is not None:
         if device is not None and torch.device(device).type != execution_device(options).type:
             raise ValueError(f"device={str(device)!r} and max_memory (whose layers run on "
@@ -246,10 +247,11 @@ def generate(
         With a checkpoint directory: ``generate("checkpoints/EleutherAI/pythia-1b", "What do llamas eat?",
         max_new_tokens=50, quantize="bnb.nf4")``.
     """
-    if max_new_tokens < 1 or num_samples < 1:
-        raise ValueError(f"max_new_tokens and num_samples must be >= 1, got {max_new_tokens} and {num_samples}.")
     # imported before the monitor starts: its import is no model memory
     import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()")
+    sampling = check_request(max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed, compile=compile, sys_prompt=sys_prompt,
+                             prompt_style=prompt_style, tokenizer=tokenizer, precision=precision)
 
     options = generation_options(options, precision, generate, device=device, dtype=dtype, quantize=quantize,
                                  **load_options)
@@ -274,9 +276,9 @@ def generate(
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
             device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
-            with compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext():
-                _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
-                             dict(temperature=temperature, top_k=top_k, top_p=top_p))
+            decoding = compiled_decoding(device, blocked_by=compile_blocker(report, model)) if compile else None
+            with decoding if decoding is not None else contextlib.nullcontext():
+                _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed, sampling)
     result.memory = _memory(model, monitor, report)
     return result
 

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lightning_lowmem.arguments import check_int
+from lightning_lowmem.devices import as_device, check_device_available
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.litgpt.guard import install_cache_guard
@@ -62,7 +64,8 @@ def setup_kv_cache(
         See :func:`cache_bytes` for what the caches occupy.
 
     Raises:
-        ValueError: ``max_seq_length`` past the model's block size, or a size below 1.
+        TypeError: a size that is not an int, a dtype that is not a floating-point ``torch.dtype``.
+        ValueError: ``max_seq_length`` past the model's block size, a size below 1, or a device torch does not read.
         MetaTensorError: the model's parameters are still on the meta device.
 
     Example::
@@ -76,7 +79,12 @@ def setup_kv_cache(
     """
     model = unwrap_model(model)
     _check_request(model, batch_size, max_seq_length)
-    device = torch.device(device) if device is not None else model_device(model)
+    for name, value in (("dtype", dtype), ("rope_dtype", rope_dtype)):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise TypeError(f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None; got "
+                            f"{value!r}.")
+    device = as_device(device) if device is not None else model_device(model)
+    check_device_available(device)
     dtype = dtype or model_dtype(model)
     current = cache_bytes(model)
     with torch.inference_mode(False), torch.no_grad():
@@ -149,8 +157,8 @@ def _check_request(model: nn.Module, batch_size: int, max_seq_length: int) -> No
             f"{type(model).__name__} does not have the KV-cache protocol (max_seq_length, set_kv_cache, "
             f"clear_kv_cache); missing: {missing or ['max_seq_length']}. Pass litgpt's GPT or a model with them."
         )
-    if batch_size < 1 or max_seq_length < 1:
-        raise ValueError(f"batch_size and max_seq_length must be >= 1, got {batch_size} and {max_seq_length}.")
+    check_int("batch_size", batch_size)
+    check_int("max_seq_length", max_seq_length)
     check_length(max_seq_length, getattr(getattr(model, "config", None), "block_size", None))
 
 

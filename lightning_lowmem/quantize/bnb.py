@@ -31,7 +31,8 @@ from lightning_lowmem.memory.heap import trim_after_first_forward
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
-_BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+"""The block sizes bitsandbytes' 4-bit kernels take (weights per scale; the scales' own blocks too)."""
 _MiB = 2**20
 
 
@@ -76,8 +77,8 @@ class Bnb4bit(BnbScheme):
     def __post_init__(self) -> None:
         if self.quant_type not in ("nf4", "fp4"):
             raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {self.quant_type!r}.")
-        if self.blocksize not in _BLOCKSIZES:
-            raise ValueError(f"blocksize must be one of {_BLOCKSIZES}, got {self.blocksize!r}.")
+        if self.blocksize not in BLOCKSIZES:
+            raise ValueError(f"blocksize must be one of {BLOCKSIZES}, got {self.blocksize!r}.")
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Packed 4-bit pairs, the 16-value fp32 code table, and the scales: fp32 per block, or (double

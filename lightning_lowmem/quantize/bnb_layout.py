@@ -40,7 +40,7 @@ from torch import nn
 
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointMismatchError
 from lightning_lowmem.formats import TensorRecord
-from lightning_lowmem.quantize.bnb import Bnb4bit, BnbInt8
+from lightning_lowmem.quantize.bnb import BLOCKSIZES, Bnb4bit, BnbInt8
 from lightning_lowmem.quantize.layouts import StoredLayout, StoredWeight, register_layout
 from lightning_lowmem.quantize.schemes import SCHEMES, QuantScheme
 
@@ -163,25 +163,31 @@ def _resolve_4bit(stored: StoredWeight, read: Callable[[str], torch.Tensor]) -> 
     """The weight's quant state (JSON), read and checked against its tensors' headers; sets shape and dtype."""
     where = stored.where("quant_state")
     state = _parse_state(read(stored.roles["quant_state"].key), where)
+    nested = "nested_absmax" in stored.roles
+    _check_fields(state, nested, where)
     shape, dtype = _shape(state, where), _dtype(state.get("dtype"), where, "dtype")
     blocksize = state.get("blocksize")
     quant_type = stored.roles["quant_state"].key.rpartition("__")[2]
-    if state.get("quant_type") != quant_type or type(blocksize) is not int or blocksize <= 0:
+    if state.get("quant_type") != quant_type or blocksize not in BLOCKSIZES or type(blocksize) is not int:
         raise CheckpointFormatError(f"{where}: quant_type {state.get('quant_type')!r} and blocksize {blocksize!r} do "
-                                    f"not describe a {quant_type} weight (the key says {quant_type!r}). {_RESAVE}")
+                                    f"not describe a {quant_type} weight (the key says {quant_type!r}; a blocksize "
+                                    f"is one of {BLOCKSIZES}). {_RESAVE}")
     n = math.prod(shape)
     weight, blocks = stored.roles["weight"], math.ceil(n / blocksize)
-    nested = "nested_absmax" in stored.roles
     packed = math.ceil(n / 2)
     expect = {"weight": (weight.dtype, weight.numel * weight.dtype.itemsize == packed, f"{packed} bytes"),
               "absmax": (torch.uint8 if nested else torch.float32, stored.roles["absmax"].numel == blocks, f"{blocks} elements"),
               "quant_map": (torch.float32, stored.roles["quant_map"].numel == 16, "16 elements")}
     if nested:
-        nested_blocks = math.ceil(blocks / _positive_int(state, "nested_blocksize", where))
+        nested_blocksize = state.get("nested_blocksize")
+        if nested_blocksize not in BLOCKSIZES or type(nested_blocksize) is not int:
+            raise CheckpointFormatError(f"{where}: nested_blocksize is {nested_blocksize!r}, not one of "
+                                        f"{BLOCKSIZES}. {_RESAVE}")
+        nested_blocks = math.ceil(blocks / nested_blocksize)
         _dtype(state.get("nested_dtype"), where, "nested_dtype")
-        if not isinstance(state.get("nested_offset"), (int, float)):
-            raise CheckpointFormatError(f"{where}: nested_offset is {state.get('nested_offset')!r}, not a number. "
-                                        f"{_RESAVE}")
+        offset = state.get("nested_offset")
+        if type(offset) not in (int, float) or not math.isfinite(offset):
+            raise CheckpointFormatError(f"{where}: nested_offset is {offset!r}, not a finite number. {_RESAVE}")
         expect |= {"nested_absmax": (torch.float32, stored.roles["nested_absmax"].numel == nested_blocks,
                                      f"{nested_blocks} elements"),
                    "nested_quant_map": (torch.float32, stored.roles["nested_quant_map"].numel == 256, "256 elements")}
@@ -193,6 +199,26 @@ def _resolve_4bit(stored: StoredWeight, read: Callable[[str], torch.Tensor]) -> 
                 f"{list(shape)}, blocksize {blocksize}) needs {want_dtype} holding {size}. {_RESAVE}")
     stored.shape, stored.dtype, stored.info = shape, dtype, state
     return state
+
+
+_FIELDS = ("quant_type", "blocksize", "dtype", "shape")
+_NESTED_FIELDS = ("nested_blocksize", "nested_dtype", "nested_offset")
+"""The fields of the quant state JSON bitsandbytes writes (``QuantState.as_dict(packed=True)``), and those it adds
+with double quantization."""
+
+
+def _check_fields(state: dict[str, Any], nested: bool, where: str) -> None:
+    """Raise for a field bitsandbytes does not write, or one missing: the nested ones with double quantization only
+    (its ``nested_absmax`` beside the weight)."""
+    written = _FIELDS + (_NESTED_FIELDS if nested else ())
+    unknown = [field for field in state if field not in written]
+    missing = [field for field in written if field not in state]
+    if unknown or missing:
+        field = (unknown or missing)[0]
+        what = f"holds {field} ({json.dumps(state[field])[:100]})" if unknown else f"lacks {field}"
+        raise CheckpointFormatError(
+            f"{where} {what}: bitsandbytes writes {', '.join(written)} for a weight "
+            f"{'with' if nested else 'without'} double quantization (nested_absmax beside it). {_RESAVE}")
 
 
 def _unpacked_for_cpu(module: nn.Module, weight: torch.Tensor, state: Any) -> tuple[torch.Tensor, Any]:
@@ -240,13 +266,6 @@ def _dtype(name: Any, where: str, field: str) -> torch.dtype:
     if name not in _FLOATS:
         raise CheckpointFormatError(f"{where}: {field} {name!r} is not one of {', '.join(_FLOATS)}. {_RESAVE}")
     return _FLOATS[name]
-
-
-def _positive_int(state: dict[str, Any], field: str, where: str) -> int:
-    value = state.get(field)
-    if type(value) is not int or value <= 0:
-        raise CheckpointFormatError(f"{where}: {field} is {value!r}, not a positive int. {_RESAVE}")
-    return value
 
 
 # ---------------------------------------------------------------- 8-bit
@@ -307,6 +326,10 @@ class BnbInt8Layout(StoredLayout):
         if flag is not None and (flag.numel != 1 or flag.dtype not in (torch.uint8, torch.int64, torch.int32)):
             raise CheckpointFormatError(f"{stored.where('weight_format')} is {flag.dtype} {list(flag.shape)}, not "
                                         f"the one-element format flag bitsandbytes writes. {_RESAVE}")
+        if flag is not None and (value := int(read(flag.key).reshape(-1)[0])) != 0:  # one element, before any weight
+            raise CheckpointFormatError(f"{stored.where('weight_format')} is {value}; bitsandbytes reads only "
+                                        "row-major int8 weights (0), and writes 0. Save it again with bitsandbytes "
+                                        ">= 0.45.")
         stored.shape, stored.dtype = tuple(weight.shape), torch.float32
         # the threshold is not stored: it is a run option, the one asked for is used
         stored.scheme = requested if isinstance(requested, BnbInt8) else BnbInt8()
@@ -315,12 +338,7 @@ class BnbInt8Layout(StoredLayout):
                     device: torch.device) -> None:
         from bitsandbytes.nn import Int8Params
 
-        flag = tensors.get("weight_format")
-        if flag is not None and int(flag.reshape(-1)[0]) != 0:
-            raise CheckpointFormatError(f"{stored.where('weight_format')} is {int(flag.reshape(-1)[0])}; "
-                                        "bitsandbytes reads only row-major int8 weights (0). Save it again with "
-                                        "bitsandbytes >= 0.45.")
-        weight = tensors["weight"].to(device)
+        weight = tensors["weight"].to(device)  # its weight_format was checked to be 0 (row-major) by resolve_stored
         module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
                                    SCB=tensors["SCB"].to(device))
 

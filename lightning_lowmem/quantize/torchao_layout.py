@@ -97,15 +97,59 @@ def find_torchao(records: Mapping[str, TensorRecord], metadata: Mapping[str, str
         kind = info.get("_type")
         if kind in ("Tensor", "torch.Tensor"):
             continue  # a full-precision tensor, stored as itself
-        data = info.get("_data")
-        quantized_activations = isinstance(data, dict) and data.get("act_quant_kwargs") is not None
-        scheme = _STORED.get((kind, quantized_activations)) if isinstance(kind, str) else None
-        if scheme is None:
+        if kind != "Int8Tensor":
             raise UnsupportedQuantizationError(
                 f"{files} holds {name!r} as a torchao {kind!r}; lightning_lowmem loads torchao's Int8Tensor "
                 "(torchao.int8wo, torchao.int8dq) as stored. Load it with transformers, or save it as one of those.")
+        check_int8_fields(info, f"{files}: metadata {name!r}")
+        scheme = _STORED[kind, info["_data"].get("act_quant_kwargs") is not None]
         found[name] = StoredWeight(name, scheme.name, _roles(name, info, records, files), info=info)
     return found
+
+
+_INT8_DATA = ("block_size", "dtype", "act_quant_kwargs", "reduce_range")
+"""The fields of an Int8Tensor's ``_data`` a save writes (torchao 0.18); ``block_size`` and ``dtype`` always."""
+_INT8_NAMES = ["qdata", "scale", "zero_point"]
+INT8DQ_ACTIVATIONS = {"_type": "QuantizeTensorToInt8Kwargs", "_data": {
+    "granularity": {"_type": "PerRow", "_data": {"dim": -1}},
+    "mapping_type": {"_type": "MappingType", "_data": "SYMMETRIC"}, "reduce_range": False}}
+"""``act_quant_kwargs`` as ``torchao.int8dq`` (``Int8DynamicActivationInt8WeightConfig()``) writes it; int8wo: null."""
+
+
+def check_int8_fields(info: dict[str, Any], where: str) -> None:
+    """Raise unless every field of an Int8Tensor's metadata is one a save writes: its keys, ``_tensor_data_names``,
+    and each field of ``_data`` (the activations' quantization, ``reduce_range``, the dtype's form). torchao builds
+    the weight from these as they are, so a field a save never writes (``act_quant_kwargs`` a dtype, ``{}`` or ``5``)
+    would load and fail at the first forward, or compute something else.
+
+    Raises:
+        CheckpointFormatError: naming the field, the value and what a save writes.
+    """
+    def refuse(field: str, value: Any, written: str) -> None:
+        raise CheckpointFormatError(f"{where}: {field} is {json.dumps(value, default=repr)[:200]}, where a save of "
+                                    f"torchao.int8wo or torchao.int8dq writes {written}. {_RESAVE}")
+
+    extra = sorted(set(info) - {"_type", "_data", "_tensor_data_names"})
+    if extra:
+        refuse(extra[0], info[extra[0]], "only _type, _data and _tensor_data_names")
+    data = info.get("_data")
+    if not isinstance(data, dict):
+        refuse("_data", data, "a JSON object of the tensor's attributes")
+    names = info.get("_tensor_data_names")
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and sorted(names) == _INT8_NAMES):
+        refuse("_tensor_data_names", names, f"{_INT8_NAMES} (in any order)")
+    unknown = sorted(set(data) - set(_INT8_DATA))
+    if unknown:
+        refuse(f"_data.{unknown[0]}", data[unknown[0]], f"only {', '.join(_INT8_DATA)}")
+    if data.get("act_quant_kwargs") not in (None, INT8DQ_ACTIVATIONS):
+        refuse("act_quant_kwargs", data["act_quant_kwargs"],
+               f"null (int8wo) or {json.dumps(INT8DQ_ACTIVATIONS)} (int8dq)")
+    if data.get("reduce_range", False) is not False:
+        refuse("reduce_range", data["reduce_range"], "false")
+    dtype = data.get("dtype")
+    if not (isinstance(dtype, dict) and set(dtype) == {"_type", "_data"} and dtype["_type"] == "torch.dtype"
+            and isinstance(dtype["_data"], str) and dtype["_data"] in _FLOATS):
+        refuse("dtype", dtype, f'{{"_type": "torch.dtype", "_data": one of {", ".join(_FLOATS)}}}')
 
 
 def resolve_torchao(stored: StoredWeight) -> None:

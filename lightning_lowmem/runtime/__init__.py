@@ -16,6 +16,7 @@ from lightning_lowmem.runtime.offload import (
     offloaded,
     sequential_offload,
 )
+from lightning_lowmem.runtime.guard import streamers_in
 from lightning_lowmem.runtime.streamer import LayerStreamer, StreamStats
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "move_except_offloaded",
     "offloaded",
     "sequential_offload",
+    "streamers_in",
 ]

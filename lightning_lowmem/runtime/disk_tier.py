@@ -64,6 +64,10 @@ class DiskTier(LayerStreamer):
         """Bytes read from the checkpoint for each forward (every layer on disk once, tied ones too)."""
         return sum(u.read_nbytes for u in self.units.values())
 
+    @property
+    def streaming(self) -> str:
+        return f"layers are read from the checkpoint file for each forward (disk_offload: {self.source.description})"
+
     def stored_modules(self) -> dict[str, str]:
         """Module name -> scheme, for the modules on disk whose weight the checkpoint holds quantized."""
         return {t.names[0].rpartition(".")[0]: t.scheme.name for u in self.units.values() for t in u.targets

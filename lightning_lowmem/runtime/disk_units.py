@@ -28,9 +28,6 @@ from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.layouts import layout_of
 from lightning_lowmem.runtime.layer_buffers import Slot, lay_out
 
-ON_DISK = "_lowmem_on_disk"
-"""Set on each module whose tensors stream from the checkpoint file (to the file's description): a save refuses it."""
-
 _ABSENT = object()
 
 

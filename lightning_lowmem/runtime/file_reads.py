@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from lightning_lowmem.errors import CheckpointChangedError, CheckpointError
-from lightning_lowmem.runtime.disk_units import ON_DISK, DiskUnit
+from lightning_lowmem.runtime.disk_model import mark, unmark
+from lightning_lowmem.runtime.disk_units import DiskUnit
 from lightning_lowmem.runtime.layer_buffers import LayerBuffers, to_device
 from lightning_lowmem.runtime.source import Fetched, Source
 
@@ -78,10 +79,9 @@ class FileReads(Source):
         self._ran: dict[str, set[str]] = {}  # layer of tied modules -> those of its modules that ran since
         for unit in units:
             unit.place(root)
-            for name in unit.modules:
-                module = root.get_submodule(name)
-                module.__dict__["_apply"] = _unmoved(weakref.ref(module))
-                module.__dict__[ON_DISK] = description
+        modules = {name: root.get_submodule(name) for unit in units for name in unit.modules}
+        dtypes = {t.dtype for m in modules.values() for t in [*m.parameters(), *m.buffers()]}
+        self._model = mark(root, modules, dtypes, description)  # copies, saves and casts refused (disk_model.py)
 
     def own(self, resources: contextlib.ExitStack) -> None:
         """Close ``resources`` (the load's open checkpoint) with the source."""
@@ -191,11 +191,8 @@ class FileReads(Source):
         if root is None:
             return
         advice = f"Its tensors were read from {self.description}, and that disk tier was closed: load it again."
+        unmark(self._model)
         for unit in self.units.values():
-            for name in unit.modules:
-                module = root.get_submodule(name)
-                module.__dict__.pop("_apply", None)
-                module.__dict__.pop(ON_DISK, None)
             unit.unplace(root, advice)
 
     def shutdown(self) -> None:
@@ -205,10 +202,3 @@ class FileReads(Source):
         self.executor.shutdown(wait=not reading, cancel_futures=True)
         self._owned.close()
 
-
-def _unmoved(ref: weakref.ref[nn.Module]) -> Callable[..., nn.Module]:
-    """A module's ``_apply`` that leaves it alone: its tensors come from the file, and moving or casting the
-    placeholders would allocate them whole (``.to()``, ``.half()``). It holds the module weakly."""
-    def _apply(fn: Callable[..., Any], recurse: bool = True) -> nn.Module:
-        return ref()
-    return _apply

@@ -10,6 +10,7 @@ the model frees it, with no collector pass).
 
     guard(root, streamer)     the root's forward guarded (a second streamer joins the same guard)
     unguard(root, streamer)   the streamer taken off; the root's own forward back once none is left
+    streamers_in(model)       the streamers guarding a model or any of its modules
 """
 
 from __future__ import annotations
@@ -43,18 +44,19 @@ class Guarded:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         root = self._root()
         forward = self._own if self._own is not None else type(root).forward.__get__(root)
-        streamers = list(self.streamers)
-        for streamer in streamers:
-            streamer.begin_forward()
+        begun: list[LayerStreamer] = []  # a streamer that refuses to begin (another thread's forward) is not ended
         try:
+            for streamer in list(self.streamers):
+                streamer.begin_forward()
+                begun.append(streamer)
             result = forward(*args, **kwargs)
         except Exception:
-            _end_all(streamers, hooks_follow=True)
+            _end_all(begun, hooks_follow=True)
             raise
         except BaseException:
-            _end_all(streamers, hooks_follow=False)  # no forward hook runs after a KeyboardInterrupt
+            _end_all(begun, hooks_follow=False)  # no forward hook runs after a KeyboardInterrupt
             raise
-        _end_all(streamers, hooks_follow=True)
+        _end_all(begun, hooks_follow=True)
         return result
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -80,6 +82,16 @@ class Guarded:
 def _end_all(streamers: list[LayerStreamer], hooks_follow: bool) -> None:
     for streamer in reversed(streamers):
         streamer.end_forward(hooks_follow)
+
+
+def streamers_in(model: nn.Module) -> list[Any]:
+    """The streamers guarding ``model``'s forward or any of its modules' (a module offloaded on its own)."""
+    found = []
+    for module in model.modules():
+        current = module.__dict__.get("forward")
+        if isinstance(current, Guarded):
+            found += current.streamers
+    return found
 
 
 def guard(root: nn.Module, streamer: LayerStreamer) -> None:

@@ -60,6 +60,10 @@ class Offload(LayerStreamer):
         super().__init__(root, modules, source, device, prefetch=prefetch, side_stream=prefetch)
 
     @property
+    def streaming(self) -> str:
+        return f"{len(self.modules)} layers are offloaded to the CPU and copied in for each forward"
+
+    @property
     def weights(self) -> dict[str, Weights]:
         """Module name -> its offloaded tensors (masters on the host)."""
         return self.source.weights

@@ -23,6 +23,10 @@ when the fetch itself raised it: the caller's interruption goes on as it is. Thr
 source's thread beside a forward on the CPU, the forward computes on one thread fewer (``threads.py``: the
 process-wide number untouched), given back at the end of the forward, on every way out.
 
+One forward at a time: the fetches, the buffers they go into and the modules' tensors are shared, so a forward (of the
+root, or of a streamed module run on its own) started on a second thread while one runs is refused with a
+``RuntimeError`` naming the thread that runs; forwards one after another, from any thread, run.
+
 Ownership, so that dropping the model releases the source at once (no collector pass): the root's guarded forward
 holds the streamer; the streamer holds the root weakly; the modules' hooks hold the streamer weakly; when the root
 goes, a finalizer closes the source (its reading thread and the file).
@@ -30,6 +34,7 @@ goes, a finalizer closes the source (its reading thread and the file).
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -108,6 +113,9 @@ class LayerStreamer:
         self._pending: _Pending | None = None
         self._broken: BaseException | None = None
         self._forward = False  # the root's forward is running
+        self._entry = threading.Lock()  # held only to check and set the thread below
+        self._thread: threading.Thread | None = None  # the thread running a forward through the modules
+        self._depth = 0  # the root's forwards it runs, one inside the other
         self._lowered: OwnThreads | None = None
         self._spare_core = source.background and self.device.type == "cpu"
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -119,6 +127,11 @@ class LayerStreamer:
             self._handles.append(module.register_forward_hook(_after(me, name), always_call=True))
         guard(root, self)
         self._finalizer = weakref.finalize(root, source.shutdown)
+
+    @property
+    def streaming(self) -> str:
+        """What moves for each forward, in words (``compile=True`` says it when it decodes eagerly)."""
+        return f"{len(self.modules)} modules are brought in for each forward"
 
     @property
     def root(self) -> nn.Module | None:
@@ -154,7 +167,13 @@ class LayerStreamer:
     # ---- the forward of the root
 
     def begin_forward(self) -> None:
-        """Start of the root's forward."""
+        """Start of the root's forward.
+
+        Raises:
+            RuntimeError: a forward runs on another thread (nothing of it was touched).
+        """
+        self._enter("the model")
+        self._depth += 1
         self._forward = True
         if not self.source.cyclic:
             self._prev = None  # a cyclic source learns the step from one forward's last module to the next's first
@@ -181,10 +200,12 @@ class LayerStreamer:
                 self._prev = None
             self._all_cores()
             self._account()
+            self._leave()
 
     # ---- the modules' hooks
 
     def before(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._enter(repr(name))
         self.source.check_forward(name)
         if self._broken is not None:
             raise self.source.fetch_error(self._broken) from self._broken
@@ -209,6 +230,32 @@ class LayerStreamer:
         if fetched is not None:
             self.source.release(name, fetched)
         self._account()
+        if not self._depth and not self._active:
+            self._leave()  # a module run on its own, not through the root's forward
+
+    # ---- one forward at a time
+
+    def _enter(self, what: str) -> None:
+        """This thread runs the forward: refused while another thread runs one (a module run on its own included)."""
+        me = threading.current_thread()
+        with self._entry:
+            running = self._thread
+            if running is not None and running is not me and running.is_alive():
+                raise RuntimeError(
+                    f"A forward of {what} was started on thread {me.name!r} while thread {running.name!r} runs one. "
+                    f"This model's {self.streaming}, into buffers and modules that one forward uses at a time: "
+                    "it runs one forward at a time. Run the forwards one after another "
+                    "(hold a threading.Lock around each call), or load one model per thread.")
+            self._thread = me
+
+    def _leave(self) -> None:
+        """The end of this thread's forward (of the root's outermost one)."""
+        with self._entry:
+            if self._thread is not threading.current_thread():
+                return
+            self._depth = max(self._depth - 1, 0)
+            if not self._depth:
+                self._thread = None
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)

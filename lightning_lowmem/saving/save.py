@@ -44,7 +44,7 @@ from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import architecture_of
 from lightning_lowmem.quantize import LAYOUTS, QuantScheme, layout_of, scheme_of
 from lightning_lowmem.quantize.selection import as_linear
-from lightning_lowmem.runtime.disk_units import ON_DISK
+from lightning_lowmem.runtime.disk_model import on_disk_modules
 
 
 
@@ -127,7 +127,7 @@ def save_checkpoint(module: nn.Module, path: str | Path, *, max_shard_size: int 
     copies = _copies(copy_files)
     module = fabric_unwrapped(module)
     state = module_state(module)
-    plan = plan_sharded(state.tensors, state.metadata, parse_bytes(max_shard_size))
+    plan = plan_sharded(state.tensors, state.metadata, parse_bytes(max_shard_size, name="max_shard_size"))
     sizes = [*plan.sizes, *(source.stat().st_size for source in copies)]
     with checkpoint_directory(directory, sizes=sizes, overwrite=overwrite) as new:
         written = write_sharded(new, plan)
@@ -203,13 +203,14 @@ def _refuse_parametrized(module: nn.Module) -> None:
 def _refuse_on_disk(module: nn.Module) -> None:
     """Raise for modules whose tensors are read from their checkpoint for each forward (``disk_offload``): between
     forwards they hold placeholders, which a save would write as weights."""
-    on_disk = {name: mod.__dict__[ON_DISK] for name, mod in module.named_modules() if ON_DISK in mod.__dict__}
+    on_disk = on_disk_modules(module)
     if on_disk:
         raise ValueError(
             f"Cannot save {type(module).__name__}: {len(on_disk)} of its modules ({format_names(on_disk, 3)}) are read "
             f"from {next(iter(on_disk.values()))} for each forward (disk_offload) and hold no weights between "
-            "forwards; nothing was written. That file already holds them: copy it, or load the model without "
-            "disk_offload (or quantized, with quantize=) to save it.")
+            "forwards (placeholders), which a save would write as weights; nothing was written. That file already "
+            "holds them: copy it, or load the model without disk_offload (or quantized, with quantize=, so that it "
+            "fits) to save it.")
 
 
 def transformers_config(module: nn.Module, state: ModuleState) -> dict | None:

@@ -171,3 +171,44 @@ def test_a_quantized_gguf_command_prints_no_third_party_noise(run_cli, child_env
             first, own = own.split("\n", 1)
             assert note in first, proc.stderr
         assert own.startswith("Loaded ") and "Memory: weights" in own, proc.stderr
+
+
+BAD_FLAGS = [  # (subcommand, flags, what the one line names): each exit 2, one line, no traceback
+    ("generate", ["--max_memory", "gpu=1GiB"], "--max_memory"),
+    ("generate", ["--max_memory", "disk=1GiB", "--disk_offload"], "--max_memory"),
+    ("generate", ["--max_memory", "cpu=-1GiB"], "max_memory['cpu']"),
+    ("generate", ["--max_memory", "cpu=1e400GiB"], "max_memory['cpu']"),
+    ("generate", ["--max_memory", "cpu=1GiB,cpu=2GiB"], "twice"),
+    ("generate", ["--max_memory", "cuda:x=1GiB"], "--max_memory"),
+    ("generate", ["--temperature", "nan"], "temperature"),
+    ("generate", ["--temperature", "-1"], "temperature"),
+    ("generate", ["--top_k", "0"], "top_k"),
+    ("generate", ["--top_p", "2"], "top_p"),
+    ("generate", ["--max_new_tokens", "0"], "--max_new_tokens"),
+    ("generate", ["--num_samples", "1.5"], "--num_samples"),
+    ("generate", ["--precision", "fp8"], "precision"),
+    ("generate", ["--device", "gpu"], "device"),
+    ("generate", ["--quantize", "bnb.nf5"], "bnb.nf5"),
+    ("generate", ["--prompt", "t1 t2", "--max_new_tokens", "1000"], "block size"),
+    ("estimate", ["--max_memory", "gpu=1GiB"], "--max_memory"),
+    ("estimate", ["--max_memory", "cpu=nan"], "max_memory['cpu']"),
+    ("estimate", ["--read_bandwidth", "0"], "--read_bandwidth"),
+    ("inspect", ["--weights", "nothing.bin"], "nothing.bin"),
+]
+
+
+@pytest.mark.parametrize(("command", "flags", "named"), BAD_FLAGS, ids=lambda v: " ".join(v) if isinstance(v, list)
+                         else v)
+def test_a_bad_flag_value_is_one_line_and_exit_2(tmp_path_factory, tiny_config, write_litgpt_dir, capsys, command,
+                                                 flags, named):
+    """In the process: an error the command line does not turn into one line would be raised here instead."""
+    from lightning_lowmem.cli import main
+
+    directory = tmp_path_factory.getbasetemp() / "bad-flags" / "tiny"
+    if not directory.exists():
+        write_litgpt_dir(directory, tiny_config())
+    code = main([command, str(directory), *flags])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and named in errors[0], err
+    assert "Traceback" not in err

@@ -9,6 +9,7 @@ same directory in the same dtype: the same library kernels on the same stored te
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -128,7 +129,7 @@ def test_damaged_int8_scales_and_torchao_metadata_are_typed_errors(hf_prequantiz
     weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
     with pytest.raises(CheckpointFormatError, match=rf"metadata '{key}\.weight' is not valid JSON"):
         load_checkpoint(meta_hf_model(damaged), damaged, progress=False)
-    assert read_recorder.calls == []
+    assert all(k.endswith(".weight_format") for k in read_recorder.keys)  # int8's one-element flags, no weight
 
 
 def test_estimate_and_placement_count_the_stored_bytes(hf_prequantized, meta_hf_model):
@@ -140,3 +141,96 @@ def test_estimate_and_placement_count_the_stored_bytes(hf_prequantized, meta_hf_
     report = load_checkpoint(model, directory, progress=False)
     buffers = sum(b.nbytes for b in model.buffers())  # rotary tables, built by the model, not in the plan
     assert sum(plan.weights_per_device().values()) == report.bytes_loaded - buffers
+
+
+def _edit_metadata(source, destination, edit) -> None:
+    """``source``'s files copied into ``destination``, ``edit(metadata)`` applied to its weights file's header."""
+    destination.mkdir()
+    for path in source.iterdir():
+        (destination / path.name).write_bytes(path.read_bytes())
+    weights = destination / "model.safetensors"
+    data = weights.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    edit(header["__metadata__"])
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+
+
+DTYPE = {"_type": "torch.dtype", "_data": "bfloat16"}
+PER_TENSOR = {"_type": "QuantizeTensorToInt8Kwargs", "_data": {"granularity": {"_type": "PerTensor", "_data": {}},
+                                                                "mapping_type": {"_type": "MappingType",
+                                                                                 "_data": "SYMMETRIC"},
+                                                                "reduce_range": False}}
+TORCHAO_EDITS = {  # name -> (the scheme saved, the key named, edit of the weight's metadata)
+    "act-quant-a-dtype": ("torchao.int8wo", "act_quant_kwargs", lambda m: m["_data"].update(act_quant_kwargs=DTYPE)),
+    "act-quant-a-bare-dict": ("torchao.int8wo", "act_quant_kwargs", lambda m: m["_data"].update(act_quant_kwargs={})),
+    "act-quant-5": ("torchao.int8wo", "act_quant_kwargs", lambda m: m["_data"].update(act_quant_kwargs=5)),
+    "act-quant-per-tensor": ("torchao.int8dq", "act_quant_kwargs",
+                             lambda m: m["_data"].update(act_quant_kwargs=PER_TENSOR)),
+    "reduce-range": ("torchao.int8wo", "reduce_range", lambda m: m["_data"].update(reduce_range="yes")),
+    "dtype-type": ("torchao.int8wo", "dtype", lambda m: m["_data"].update(dtype={"_type": "str", "_data": "bfloat16"})),
+    "an-unknown-field": ("torchao.int8wo", "evil", lambda m: m["_data"].update(evil=1)),
+    "data-names": ("torchao.int8wo", "_tensor_data_names", lambda m: m.update(_tensor_data_names=["qdata", "scale"])),
+    "a-list-for-data": ("torchao.int8wo", "_data", lambda m: m.update(_data=[1, 2])),
+}
+
+
+@pytest.mark.parametrize("edit", TORCHAO_EDITS)
+def test_torchao_metadata_other_than_what_is_written_is_refused_by_key_before_any_read(
+        hf_prequantized, meta_hf_model, read_recorder, tmp_path, edit):
+    """Every field of the metadata torchao's Int8Tensor is rebuilt from is checked against what a save writes; a
+    tampered act_quant_kwargs used to load (taken as int8dq) and fail at the first forward with torch's raw error."""
+    scheme, named, change = TORCHAO_EDITS[edit]
+    key = "model.layers.0.self_attn.k_proj.weight"
+
+    def tamper(metadata):
+        info = json.loads(metadata[key])
+        change(info)
+        metadata[key] = json.dumps(info)
+
+    _edit_metadata(hf_prequantized(scheme), tmp_path / "tampered", tamper)
+    model = meta_hf_model(tmp_path / "tampered")
+    with pytest.raises(CheckpointFormatError, match=rf"{key}.*{named}") as e:
+        load_checkpoint(model, tmp_path / "tampered", progress=False)
+    assert "save it again" in str(e.value)
+    assert read_recorder.calls == [] and meta_tensor_names(model)
+
+
+BNB_EDITS = {  # name -> (the scheme saved, the field named, edit of the quant state)
+    "an-unknown-field": ("bnb.nf4", "evil", lambda s: s.update(evil=1)),
+    "nested-fields-without-nesting": ("bnb.nf4", "nested_offset", lambda s: s.update(nested_offset=0.5)),
+    "nested-offset-nan": ("bnb.nf4-dq", "nested_offset", lambda s: s.update(nested_offset=float("nan"))),
+    "nested-blocksize": ("bnb.nf4-dq", "nested_blocksize", lambda s: s.update(nested_blocksize=3)),
+    "nested-dtype": ("bnb.nf4-dq", "nested_dtype", lambda s: s.update(nested_dtype="int8")),
+}
+
+
+@pytest.mark.parametrize("edit", BNB_EDITS)
+def test_a_4bit_quant_state_field_other_than_what_is_written_is_refused_by_name_before_any_weight(
+        hf_prequantized, meta_hf_model, read_recorder, tmp_path, edit):
+    scheme, named, change = BNB_EDITS[edit]
+    key = f"model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__{scheme[4:7]}"
+
+    def tamper(tensors):
+        state = json.loads(bytes(tensors[key].tolist()))
+        change(state)
+        tensors[key] = torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
+
+    _rewrite(hf_prequantized(scheme), tmp_path, tamper)
+    model = meta_hf_model(tmp_path)
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(key)}.*{named}") as e:
+        load_checkpoint(model, tmp_path, progress=False)
+    assert "save it again" in str(e.value)
+    assert all(".quant_state." in k for k in read_recorder.keys) and meta_tensor_names(model)
+
+
+def test_an_int8_weight_format_other_than_row_major_is_refused_before_any_weight(hf_prequantized, meta_hf_model,
+                                                                                 read_recorder, tmp_path):
+    key = "model.layers.0.mlp.down_proj.weight_format"
+    _rewrite(hf_prequantized("bnb.int8"), tmp_path, lambda t: t.update({key: torch.tensor(1, dtype=torch.uint8)}))
+    model = meta_hf_model(tmp_path)
+    with pytest.raises(CheckpointFormatError, match=rf"{re.escape(key)}' in .* is 1;"):
+        load_checkpoint(model, tmp_path, progress=False)
+    assert all(k.endswith(".weight_format") for k in read_recorder.keys) and meta_tensor_names(model)

@@ -257,6 +257,24 @@ def test_predict_and_validate_with_layers_on_disk_equal_the_model_in_memory_and_
     callback.report.disk.close()
 
 
+@pytest.mark.parametrize("save_frozen", [True, False])
+def test_a_trainer_checkpoint_of_a_model_with_layers_on_disk_is_refused_and_writes_nothing(
+        tmp_path, tiny_config, tiny_gpt, write_checkpoint, lit_module, save_frozen):
+    """Its layers on disk hold placeholders between forwards. save_frozen=True would write them as weights; with
+    save_frozen=False the frozen weights are left out, but the model's state_dict() is refused all the same."""
+    reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
+    path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
+    nbytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    callback = LowMemCallback(path, max_memory={"cpu": nbytes // 4}, disk_offload=True, save_frozen=save_frozen)
+    trainer = _trainer(callback)
+    trainer.predict(lit_module(reference.config), _data())
+    assert callback.report.placement.on_disk
+    with pytest.raises(ValueError, match=r"disk_offload.*nothing was written") as raised:
+        trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    assert str(path) in str(raised.value) and not (tmp_path / "saved.ckpt").exists()
+    callback.report.disk.close()
+
+
 _LINES = """
 import logging, sys, torch, lightning as L
 from litgpt import GPT, Config

@@ -510,6 +510,28 @@ def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_
     fabric.strategy.reports[-1].disk.close()
 
 
+def test_fabric_save_of_a_model_with_layers_on_disk_is_refused_and_writes_nothing(tmp_path, tiny_config, tiny_gpt,
+                                                                                    write_checkpoint):
+    """Its layers on disk hold placeholders between forwards: fabric.save would write them as weights."""
+    from litgpt import GPT
+
+    reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
+    path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
+    nbytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
+    fabric = _fabric("instance", "32-true", max_memory={"cpu": nbytes // 4}, disk_offload=True)
+    with fabric.init_module():
+        model = GPT(reference.config)
+    fabric.load_raw(path, model)
+    model = fabric.setup(model)
+    for state in ({"model": model, "step": 1}, {"model": model.module}):
+        with pytest.raises(ValueError, match=r"disk_offload.*nothing was written") as raised:
+            fabric.save(tmp_path / "saved.ckpt", state)
+        assert str(path) in str(raised.value)
+    assert not (tmp_path / "saved.ckpt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".lowmem")] == []
+    fabric.strategy.reports[-1].disk.close()
+
+
 _NESTED_LOAD = """
 import json, os, sys, threading, time
 import lightning as L, psutil, torch

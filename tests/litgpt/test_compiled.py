@@ -76,6 +76,22 @@ def test_one_graph_serves_requests_of_other_lengths(tiny_config, tiny_gpt):
 
 
 @pytest.mark.slow
+def test_a_one_token_prompt_runs_its_forward_eagerly_and_decodes_with_the_one_graph(tiny_config, tiny_gpt):
+    """The prompt's forward (prefill) is told by its position, not by its length: a 1-token prompt is a prefill."""
+    model = tiny_gpt(tiny_config("pythia", n_layer=1, n_head=2), torch.bfloat16, std=0.3).eval()
+    torch._dynamo.reset()  # dynamo compiles one function at most 8 times a process: leave the tests after room
+    generate(model, [1, 2, 3], max_new_tokens=4, temperature=0.0, compile=True)
+    graphs = _unique_graphs()
+    for prompt in ([7], [9]):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = generate(model, prompt, max_new_tokens=6, temperature=0.0, compile=True)
+        assert not [w for w in seen if "compile=True" in str(w.message)]
+        assert got.tokens[0].tolist() == generate(model, prompt, max_new_tokens=6, temperature=0.0).tokens[0].tolist()
+    assert _unique_graphs() == graphs
+
+
+@pytest.mark.slow
 def test_a_scheme_whose_kernels_split_the_graph_runs_compiled_and_says_so(tmp_path, tiny_config, write_litgpt_dir):
     """bitsandbytes' int8 kernels return shapes that depend on the data: one graph break at each of their calls."""
     directory = write_litgpt_dir(tmp_path / "int8", tiny_config("gqa", n_embd=64, intermediate_size=256),
@@ -110,6 +126,30 @@ def test_layers_on_disk_decode_eagerly_with_one_warning(tmp_path, tiny_config, w
                        max_memory={"cpu": "30KiB"}, disk_offload=True)
     assert got.load_report.placement.on_disk and got.tokens[0].tolist() == eager.tokens[0].tolist()
     assert litgpt_generate.next_token is before
+
+
+@pytest.mark.parametrize("loader", ["load_for_generation", "load_checkpoint"])
+def test_a_model_with_layers_on_disk_passed_in_decodes_eagerly_with_one_warning(tmp_path, tiny_config,
+                                                                                write_litgpt_dir, meta_gpt, loader):
+    """Whoever loaded it: generate() finds the layers on disk on the model itself, not in a load report."""
+    from lightning_lowmem import load_checkpoint
+    from lightning_lowmem.litgpt.generation import load_for_generation
+
+    config = tiny_config("pythia")
+    directory = write_litgpt_dir(tmp_path / "disk", config, torch.bfloat16, tokenizer=False)
+    eager = generate(directory, [1, 2, 3], max_new_tokens=5, temperature=0.0)
+    if loader == "load_for_generation":
+        model, _, report = load_for_generation(directory, max_memory={"cpu": "30KiB"}, disk_offload=True)
+    else:
+        model = meta_gpt(config)
+        report = load_checkpoint(model, directory / "lit_model.pth", dtype=torch.bfloat16,
+                                 max_memory={"cpu": "30KiB"}, disk_offload=True)
+    assert report.placement.on_disk
+    with pytest.warns(UserWarning, match=r"not compiling, layers are read from the checkpoint file") as seen:
+        got = generate(model.eval(), [1, 2, 3], max_new_tokens=5, temperature=0.0, compile=True)
+    assert len([w for w in seen if "compile=True" in str(w.message)]) == 1
+    assert got.tokens[0].tolist() == eager.tokens[0].tolist()
+    report.disk.close()
 
 
 def test_litgpts_next_token_is_put_back_when_generation_fails(tiny_config, tiny_gpt):
