@@ -322,7 +322,7 @@ def test_the_docs_name_no_keyword_a_face_does_not_take(path):
 
 
 OTHER_LIBRARIES = {"assign", "ckpt_path", "devices", "dynamic", "mode", "strategy", "quantization_config",
-                   "torch_dtype"}
+                   "torch_dtype", "subfolder", "safe_serialization"}
 """Keywords of torch, Lightning, litgpt and transformers the docs name in prose (``load_state_dict(assign=True)``,
 ``strategy=``, ``from_pretrained(quantization_config=...)``)."""
 
