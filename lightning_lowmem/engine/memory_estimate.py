@@ -55,7 +55,6 @@ import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.ring import SPARE_SLOTS
 from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.engine.staging import ring_nbytes, stage_workers
 from lightning_lowmem.engine.stream import path_device
@@ -64,6 +63,7 @@ from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 from lightning_lowmem.quantize.quantizer import TRIM_AT
+from lightning_lowmem.transfer.ring import SPARE_SLOTS
 
 LOAD_RUNTIME = 8 * 2**20  # measured 6.0-6.5 MiB: a load beyond weights + one tensor (plan, Python objects, buffers)
 CPU_RUNTIME = 28 * 2**20  # measured 24-27 MiB: generate() on 1- to 30-layer models and pythia-1b, beyond weights + caches

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lightning_lowmem.engine.copies import ENGINES
+from lightning_lowmem.transfer.copies import ENGINES
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.readahead import read_ahead
 from lightning_lowmem.engine.route import Route, Traits

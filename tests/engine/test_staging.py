@@ -16,11 +16,11 @@ import weakref
 import pytest
 import torch
 
-import lightning_lowmem.engine.copies as copies
+import lightning_lowmem.transfer.copies as copies
 import lightning_lowmem.engine.staging as staging
 from lightning_lowmem import CheckpointFormatError, load_checkpoint
-from lightning_lowmem.engine.copies import ThreadCopies
-from lightning_lowmem.engine.ring import Ring
+from lightning_lowmem.transfer.copies import ThreadCopies
+from lightning_lowmem.transfer.ring import Ring
 from lightning_lowmem.quantize import schemes_available_on
 
 ON_CPU = schemes_available_on(torch.device("cpu"))
