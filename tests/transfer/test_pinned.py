@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lightning_lowmem
+from lightning_lowmem import dispatch, estimate_memory, load_checkpoint
 from lightning_lowmem.transfer import HostPool, block_nbytes, lay_out, pinned
 
 PAGE = pinned.PAGE
@@ -59,3 +60,46 @@ def test_no_module_empties_the_process_wide_pinned_cache():
             if name in ("_host_emptyCache", "_accelerator_emptyHostCache", "empty_host_cache"):
                 calls.append(f"{path.name}:{node.lineno}")
     assert not calls, calls
+
+
+SCHEMES = [None, "bnb.nf4", "bnb.nf4-dq", "bnb.int8", "torchao.int8wo", "torchao.nf4"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_offloaded_layers_blocks_are_what_the_placement_and_the_estimate_count(quant_config, quant_checkpoint,
+                                                                                  meta_gpt, scheme):
+    """The estimate's placement for a GPU of ~half the model, and the model loaded on this CPU and dispatched by that
+    placement (the CPU playing the GPU): the offload's blocks of host memory take exactly the bytes the placement
+    counted against the CPU's budget, and the estimate shows."""
+    whole = estimate_memory(quant_checkpoint, config=quant_config, quantize=scheme, max_seq_length=16)
+    budgets = {"cuda:0": whole.caches + whole.activations + whole.weights // 2, "cpu": "1GiB"}
+    est = estimate_memory(quant_checkpoint, config=quant_config, quantize=scheme, max_memory=budgets,
+                          max_seq_length=16)
+    placement = est.placement
+    assert placement.offloaded and est.pinned == placement.pinned_bytes
+    offloaded = sum(layer.nbytes for layer in placement.offloaded)
+    assert 0 < placement.pinned_bytes - offloaded < len(placement.offloaded) * (PAGE + 64 * 40)
+    assert placement.used_per_device()["cpu"] == placement.pinned_bytes
+    assert est.generate_peak - est.pinning == est.weights + est.library + est.imports + est.tokenizer + est.caches \
+        + est.activations + est.dequantized + est.runtime + est.disk_buffers
+
+    model = meta_gpt(quant_config)
+    load_checkpoint(model, quant_checkpoint, dtype=torch.bfloat16, quantize=scheme, progress=False)
+    handle = dispatch(model, placement, device="cpu")
+    assert handle.pinned_bytes == placement.pinned_bytes
+    assert handle.offloaded_bytes == offloaded  # the weights themselves: what the placement counts as weights
+    handle.remove()
+
+
+def test_the_disk_tiers_buffers_are_what_the_placement_and_the_estimate_count(quant_config, quant_checkpoint,
+                                                                              meta_gpt):
+    budgets = {"cpu": "150KiB"}
+    est = estimate_memory(quant_checkpoint, config=quant_config, max_memory=budgets, disk_offload=True,
+                          max_seq_length=16, read_bandwidth=1e9)
+    model = meta_gpt(quant_config)
+    report = load_checkpoint(model, quant_checkpoint, dtype=torch.bfloat16, max_memory=budgets, disk_offload=True,
+                             progress=False)
+    assert report.placement.on_disk
+    assert report.disk.buffer_bytes == report.placement.disk_buffer_bytes == est.placement.disk_buffer_bytes
+    assert est.disk_buffers >= est.placement.disk_buffer_bytes  # and the largest tensor cast as it is read
+    report.disk.close()
