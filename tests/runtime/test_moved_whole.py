@@ -147,3 +147,27 @@ def test_a_layer_read_from_disk_computes_from_its_device_copies_only(tmp_path, q
         assert not seen & buffers, "the forward read the disk tier's host read buffers"
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     tier.close()
+
+
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.nf4-dq"])
+def test_a_stored_4bit_layer_from_disk_is_rebuilt_from_its_parsed_state_without_reading_its_json_back(
+        tmp_path, quant_config, quant_checkpoint, meta_gpt, scheme, cpu_copies, monkeypatch):
+    """bitsandbytes' ``from_prequantized`` parses the quant state's JSON tensor again (on a GPU: a copy back to the
+    host) and copies the nested offset to the device, for every 4-bit weight at every forward; the state was parsed
+    with the headers, and the offset is filled on the device."""
+    import bitsandbytes.functional as F
+
+    quantized = meta_gpt(quant_config)
+    load_checkpoint(quantized, quant_checkpoint, dtype=torch.bfloat16, quantize=scheme, progress=False)
+    save_checkpoint(quantized, tmp_path / "stored")
+    model = meta_gpt(quant_config)
+    report = load_checkpoint(model, tmp_path / "stored", dtype=torch.bfloat16, max_memory={"cpu": 150_000},
+                             disk_offload=True, progress=False)
+    parsed = []
+    real = F.unpack_tensor_to_dict
+    monkeypatch.setattr(F, "unpack_tensor_to_dict", lambda t: parsed.append(t.device) or real(t))
+    with torch.no_grad():
+        for _ in range(2):
+            model.eval()(TOKENS)
+    assert report.disk.stats.reads > 0 and parsed == []
+    report.disk.close()
