@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 ALIGN = 64
 """Bytes each tensor carved from a block starts on a multiple of (a cache line; any dtype's alignment)."""
 PAGE = mmap.PAGESIZE
-"""Bytes of a page: blocks are whole pages, and a pinned block starts on one (no two pinned ranges share a page)."""
+"""Bytes of a page: blocks are whole pages of their own (no two pinned ranges share a page)."""
 PORTABLE = 1
 """``cudaHostRegisterPortable``: pinned for every CUDA context of the process, not only the registering one's."""
 
@@ -113,16 +114,14 @@ class HostPool:
             return self.pin and all(ptr is not None for _, ptr in self._blocks)
 
     def block(self, nbytes: int) -> torch.Tensor:
-        """A block of :func:`block_nbytes` ``(nbytes)`` bytes (uint8, uninitialised), pinned where the pool pins, its
-        start on a page. It is the pool's until :meth:`release` or :meth:`close`."""
+        """A block of :func:`block_nbytes` ``(nbytes)`` bytes (uint8, zeros until written), pinned where the pool pins:
+        an anonymous memory map of its own (its pages touched when written, or when pinned; given back to the system
+        with the last view of it). It is the pool's until :meth:`release` or :meth:`close`."""
         size = block_nbytes(max(nbytes, 1))
-        if not self.pin:
-            block, ptr = torch.empty(size, dtype=torch.uint8), None
-        else:
-            raw = torch.empty(size + PAGE, dtype=torch.uint8)  # pageable; pages touched when pinned
-            start = -raw.data_ptr() % PAGE
-            block = raw[start:start + size]
-            ptr = block.data_ptr() if _pin(block.data_ptr(), size, self.device) else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": an anonymous map is writable
+            block = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # its own pages, freed with its views
+        ptr = block.data_ptr() if self.pin and _pin(block.data_ptr(), size, self.device) else None
         with self._lock:
             self._blocks.append((block, ptr))
         return block

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_lowmem import init_empty, layer_offload, load_checkpoint, save_checkpoint
+from lightning_lowmem import MemoryBudgetError, layer_offload, load_checkpoint, placement_plan, save_checkpoint
 from lightning_lowmem.transfer import copies
 
 SCHEMES = ["bnb.nf4", "bnb.nf4-dq", "bnb.int8", "torchao.int8wo", "torchao.nf4"]
@@ -171,3 +171,112 @@ def test_a_stored_4bit_layer_from_disk_is_rebuilt_from_its_parsed_state_without_
             model.eval()(TOKENS)
     assert report.disk.stats.reads > 0 and parsed == []
     report.disk.close()
+
+
+# ---------------------------------------------------------------- on a GPU (skipped without one)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+class OnDevice(TorchDispatchMode):
+    """Records the devices of every tensor the forwards of ``modules`` read (``Reads``, by device)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.reads = Reads(modules)
+        self.devices: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.reads.inside:
+            for arg in tree_flatten((args, kwargs or {}))[0]:
+                if isinstance(arg, torch.Tensor) and not arg.is_meta and arg.numel() > 1:
+                    self.devices.add(arg.device.type)
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self.reads.__exit__(*exc)
+        return super().__exit__(*exc)
+
+
+def stored_checkpoint(tmp_path, quant_config, quant_checkpoint, meta_gpt, scheme):
+    """``scheme``'s weights saved quantized (so that the GPU and the CPU hold the same codes), or the bf16 file."""
+    if scheme is None or scheme == "torchao.nf4":
+        return quant_checkpoint
+    quantized = meta_gpt(quant_config)
+    load_checkpoint(quantized, quant_checkpoint, dtype=torch.bfloat16, quantize=scheme, progress=False)
+    save_checkpoint(quantized, tmp_path / "stored")
+    return tmp_path / "stored"
+
+
+def cuda_schemes(schemes):
+    from lightning_lowmem.quantize import schemes_available_on
+
+    on_gpu = schemes_available_on(torch.device("cuda")) if torch.cuda.is_available() else []
+    return [s for s in schemes if s is None or s in on_gpu]
+
+
+def sync_warnings(run) -> int:
+    """Synchronizing CUDA operations ``run()`` issues (torch's sync debug mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+@pytest.mark.parametrize("scheme", [None, "bnb.nf4", "bnb.nf4-dq", "bnb.int8", "torchao.int8wo", "torchao.nf4"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_cuda_layers_off_the_device_compute_on_it_from_their_copies_alone(
+        tmp_path, monkeypatch, quant_config, quant_checkpoint, meta_gpt, tier, scheme, delayed):
+    """Every scheme from the CPU tier and the disk tier onto a GPU: the forwards of the layers brought in read GPU
+    tensors only, their logits are those of the model loaded whole onto the GPU, they issue no synchronizing
+    operation the resident model's forward does not, and with the side stream held back before each copy (a race
+    would read a buffer or a tensor too early) nothing changes."""
+    if scheme not in cuda_schemes([scheme]):
+        pytest.skip(f"{scheme} has no kernel on this GPU")
+    if tier == "disk" and scheme == "torchao.nf4":
+        pytest.skip("torchao.nf4 is not saved quantized: nothing to stream from disk")
+    if delayed:
+        from lightning_lowmem.transfer import copies
+
+        class Delayed(copies.CudaCopies):
+            def copy(self, dst, src):
+                with torch.cuda.stream(self.stream):
+                    torch.cuda._sleep(1_000_000)
+                return super().copy(dst, src)
+
+        monkeypatch.setitem(copies.ENGINES, "cuda", Delayed)
+    path = stored_checkpoint(tmp_path, quant_config, quant_checkpoint, meta_gpt, scheme)
+    quantize = scheme if scheme == "torchao.nf4" else None
+    resident = meta_gpt(quant_config)
+    load_checkpoint(resident, path, dtype=torch.bfloat16, quantize=quantize, device="cuda:0", progress=False)
+    options = dict(dtype=torch.bfloat16, quantize=quantize, context=16, disk_offload=tier == "disk", progress=False)
+    cpu = "1GiB" if tier == "cpu" else 1
+    with pytest.raises(MemoryBudgetError) as least:  # what the GPU needs for one layer, its caches and activations
+        placement_plan(meta_gpt(quant_config), path, {"cuda:0": 1, "cpu": cpu}, **options)
+    model = meta_gpt(quant_config)  # twice that: the embedding and head stay, the blocks are brought in
+    report = load_checkpoint(model, path, max_memory={"cuda:0": 2 * least.value.needed, "cpu": cpu}, **options)
+    streamer = report.offload if tier == "cpu" else report.disk
+    assert streamer is not None
+    tokens = TOKENS.cuda()
+    with torch.no_grad():
+        expected = resident.eval()(tokens)
+        model.eval()(tokens)  # the order learned, bitsandbytes' first-call work done
+        with OnDevice(list(streamer.modules.values())) as seen:
+            out = model(tokens)
+        assert seen.devices == {"cuda"}, seen.devices
+        if scheme is None or scheme.startswith("bnb.nf4") or scheme == "torchao.int8wo":
+            assert sync_warnings(lambda: model(tokens)) <= sync_warnings(lambda: resident(tokens))
+    tolerance = dict(rtol=2e-2, atol=2e-2) if scheme == "torchao.nf4" else dict(rtol=0, atol=0)
+    torch.testing.assert_close(out, expected, **tolerance)  # nf4: quantized on the CPU for the offloaded layers
+    if tier == "disk":
+        report.disk.close()
