@@ -1,7 +1,7 @@
 """The package's layout, read from its source: imports follow the data flow, modules and functions stay short.
 
-Folders, in the order each may import the ones before it: the ground (the top-level modules and
-``memory/``), then formats, plan, quantize, placement, runtime, engine, saving, lightning, litgpt, transformers,
+Folders, in the order each may import the ones before it: the ground (the top-level modules, ``memory/``
+and ``transfer/``), then formats, plan, quantize, placement, runtime, engine, saving, lightning, litgpt, transformers,
 diffusers, cli.
 Every import statement counts, those inside functions included: so the read path (formats, engine) never imports the
 write path (saving). ``__main__`` (``python -m lightning_lowmem``) is an entry

@@ -3,10 +3,11 @@
 Lightning's CUDA strategies create an NCCL-only process group, and a collective on a CPU tensor there raises
 ``RuntimeError: No backend type associated with device type cpu``; under gloo a CUDA tensor takes a copy each
 way. Every collective of the library (the ranks' agreement, ``check_peers``, the shared headers, the NF4 sums)
-puts its tensors on :func:`collective_device`, chosen from the backend the group reports
-(``torch.distributed.get_backend``): the CPU where one of the group's backends takes CPU tensors (``gloo``, a
-mixed ``"cpu:gloo,cuda:nccl"`` group: the tensors here are a few bytes made on the CPU), else the group's device
-(``nccl``: this process's current CUDA device, which Lightning sets to the rank's own).
+puts its tensors on :func:`collective_device`, which the runtime's execution module decides
+(``runtime/rank_device.py``) from the backend the group reports (``torch.distributed.get_backend``): the CPU where
+one of the group's backends takes CPU tensors (``gloo``, a mixed ``"cpu:gloo,cuda:nccl"`` group: the tensors here are
+a few bytes made on the CPU), else this rank's device: the one its process group is bound to (Lightning binds it),
+else ``LOCAL_RANK``'s (torchrun), never the current device.
 
 A rank whose process ended inside a collective (killed for memory, its node lost) leaves the others with the
 backend's own error (gloo: ``RuntimeError: ... Connection closed by peer``; NCCL: a ``DistBackendError``).
@@ -22,50 +23,9 @@ from collections.abc import Iterator
 import torch
 
 from lightning_lowmem.errors import RankLostError
+from lightning_lowmem.runtime.execution import collective_device, device_type_for
 
-
-def device_type_for(backend: str) -> str:
-    """The device type a process group with ``backend`` reduces the library's tensors on.
-
-    Args:
-        backend: what ``torch.distributed.get_backend(group)`` reports: one backend (``"gloo"``, ``"nccl"``) or
-            ``device:backend`` pairs (``"cpu:gloo,cuda:nccl"``, as ``init_process_group()`` makes on a CUDA build).
-
-    Raises:
-        ValueError: a backend torch does not know (it registers each backend's devices).
-
-    Example::
-
-        >>> device_type_for("nccl"), device_type_for("gloo"), device_type_for("cpu:gloo,cuda:nccl")
-        ('cuda', 'cpu', 'cpu')
-    """
-    import torch.distributed as dist
-
-    devices: list[str] = []
-    for part in (p.strip().lower() for p in backend.split(",") if p.strip()):
-        if ":" in part:
-            devices.append(part.split(":", 1)[0])
-            continue
-        known = dist.Backend.backend_capability.get(part)
-        if not known:
-            raise ValueError(f"Process group backend {part!r} (of {backend!r}) is not one torch knows the devices of "
-                             f"({', '.join(sorted(dist.Backend.backend_capability))}); register it with "
-                             "torch.distributed.Backend.register_backend(..., devices=[...]).")
-        devices += known
-    if not devices:
-        raise ValueError(f"Process group backend {backend!r} names no backend.")
-    return "cpu" if "cpu" in devices else devices[0]
-
-
-def collective_device(group: object | None = None) -> torch.device:
-    """The device the library's tensors take in a collective on ``group`` (None: the default process group): the
-    CPU, or this process's current device of the group's kind (``torch.cuda.current_device()`` under NCCL)."""
-    import torch.distributed as dist
-
-    kind = device_type_for(str(dist.get_backend(group)))
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.get_device_module(kind).current_device())
+__all__ = ["collective", "collective_device", "device_type_for"]
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""Where a load computes and in what dtype, when the caller does not say: one answer for every face.
+"""Where a load computes and in what dtype, when the caller does not say: one answer for every face, the runtime's
+(``runtime/execution.py`` owns where and how a layer runs; these turn a load's options into its questions).
 
 * :func:`execution_device`: where the layers of a load run: ``max_memory``'s execution device (offloaded and on-disk
   layers are brought there for their forward), else ``device``, else the face's default. The prepared load, the
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_lowmem.dtypes import fallback_dtype, load_dtype
+from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.runtime import execution
 
 GENERATION_DTYPE = torch.bfloat16
 """The dtype a generation loads in unless told otherwise (litgpt's ``--precision bf16-true``)."""
@@ -35,16 +37,13 @@ def execution_device(options: LoadOptions, default: torch.device | str | None = 
         >>> execution_device(LoadOptions(), "cpu"), execution_device(LoadOptions())
         (device(type='cpu'), None)
     """
-    if options.budgets is not None:
-        return torch.device(options.budgets.execution_device)
-    if options.device is not None:
-        return options.device
-    return torch.device(default) if default is not None else None
+    budget = options.budgets.execution_device if options.budgets is not None else None
+    return execution.execution_device(budget, options.device, default)
 
 
 def default_device() -> torch.device:
-    """litgpt's default device: ``cuda`` when this machine has one, else ``cpu``."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """litgpt's default device: ``cuda`` when this machine has one, else ``cpu`` (``runtime/execution.py``)."""
+    return execution.default_device()
 
 
 def generation_dtype(dtype: torch.dtype | None = None, precision: str | None = None) -> torch.dtype:
@@ -72,6 +71,4 @@ def compute_dtype(options: LoadOptions) -> torch.dtype | None:
         ...     compute_dtype(LoadOptions(dtype=torch.bfloat16)), compute_dtype(LoadOptions(dtype=torch.float32))
         (torch.float16, torch.float32)
     """
-    if options.dtype is None:
-        return None
-    return fallback_dtype(options.dtype, execution_device(options, "cpu"), warn=False)
+    return execution.compute_dtype(options.dtype, execution_device(options, "cpu"))

@@ -23,6 +23,7 @@ from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.plan.conversions import Transform
+from lightning_lowmem.quantize.layouts import layout_of
 from lightning_lowmem.runtime.disk_tier import DiskTier
 from lightning_lowmem.runtime.disk_units import DiskUnit
 from lightning_lowmem.runtime.layer_buffers import Slot, view
@@ -97,6 +98,8 @@ class LayerReads:
         finally:
             reader.destination = None
         if isinstance(payload, dict):  # a weight stored quantized: its parts, as stored
+            layout_of(target.scheme).check_read(target.stored, {r: payload[rec.key] for r, rec in
+                                                                target.stored.roles.items()})  # here, on the host
             return {p.key: _into(payload[p.key], out) for p, out in zip(target.parts, views)}
         if not isinstance(payload, torch.Tensor):
             raise RuntimeError(f"{target.names[0]!r} would be quantized for each forward; check_streamable refuses "

@@ -26,8 +26,11 @@
                    block of its rows as read (twice when the transform rewrites it), never the tensor
                    in float32) plus 6 MiB measured for the load itself
     staging        a load onto a device with a copy engine (CUDA): the ring of pinned host buffers its reads land
-                   in (``staging.py``: one per reading thread + 2, each the largest piece read, 32 MiB at most).
-                   Host memory, held during the load only; beside the device's peak, not in it
+                   in (``staging.py``: one per reading thread + 2, each the largest piece read, 32 MiB at most,
+                   whole pages). Host memory, held during the load only; beside the device's peak, not in it
+    pinned         layers offloaded to the CPU: the blocks of host memory their masters are carved from (the
+                   placement's ``pinned_bytes``: whole pages, each part 64-byte aligned, pinned for the accelerator);
+                   what that takes beyond their weights is in both peaks
     tokenizer      a tokenizer the generation builds from the checkpoint itself (a GGUF file's
                    vocabulary), resident from before the load to the end; 0 otherwise
     disk           with layers left in the checkpoint file (``disk_offload``): their weights are not in memory;
@@ -55,7 +58,6 @@ import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.ring import SPARE_SLOTS
 from lightning_lowmem.engine.routes import route_of
 from lightning_lowmem.engine.staging import ring_nbytes, stage_workers
 from lightning_lowmem.engine.stream import path_device
@@ -64,6 +66,8 @@ from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 from lightning_lowmem.quantize.quantizer import TRIM_AT
+from lightning_lowmem.transfer import block_nbytes
+from lightning_lowmem.transfer.ring import SPARE_SLOTS
 
 LOAD_RUNTIME = 8 * 2**20  # measured 6.0-6.5 MiB: a load beyond weights + one tensor (plan, Python objects, buffers)
 CPU_RUNTIME = 28 * 2**20  # measured 24-27 MiB: generate() on 1- to 30-layer models and pythia-1b, beyond weights + caches
@@ -95,6 +99,7 @@ class MemoryEstimate:
     load_transient: int = 0
     tokenizer: int = 0
     staging: int = 0
+    pinned: int = 0
     disk_weights: int = 0
     disk_read: int = 0
     disk_buffers: int = 0
@@ -108,14 +113,21 @@ class MemoryEstimate:
         return self.kv_cache + self.mask + self.rope
 
     @property
+    def pinning(self) -> int:
+        """What the offloaded layers' blocks of host memory take beyond their weights (alignment, whole pages)."""
+        if not self.pinned or self.placement is None:
+            return 0
+        return self.pinned - sum(layer.nbytes for layer in self.placement.offloaded)
+
+    @property
     def load_peak(self) -> int:
-        return (self.weights + self.library_import + self.imports + self.tokenizer + self.load_transient
-                + self.disk_buffers // 2)  # the first read ahead
+        return (self.weights + self.pinning + self.library_import + self.imports + self.tokenizer
+                + self.load_transient + self.disk_buffers // 2)  # the first read ahead
 
     @property
     def generate_peak(self) -> int:
-        return (self.weights + self.library + self.imports + self.tokenizer + self.caches + self.activations
-                + self.dequantized + self.runtime + self.disk_buffers)
+        return (self.weights + self.pinning + self.library + self.imports + self.tokenizer + self.caches
+                + self.activations + self.dequantized + self.runtime + self.disk_buffers)
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -162,6 +174,7 @@ class MemoryEstimate:
                 ("load transient (largest tensor in flight + load)", self.load_transient),
                 *([("tokenizer (from the checkpoint's vocabulary)", self.tokenizer)] if self.tokenizer else []),
                 *([("staging ring (pinned host memory, during the load)", self.staging)] if self.staging else []),
+                *([("offloaded layers' host blocks (pinned; weights included)", self.pinned)] if self.pinned else []),
                 *self._disk_rows(),
                 ("peak while loading", self.load_peak), ("peak while generating", self.generate_peak),
                 ("peak", self.peak)]
@@ -210,7 +223,8 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         _add_target(est, route, placement is not None and placement.is_on_disk(route.target.names[0]))
     staged = [spec for route in routes if route.staged for spec in route.specs]
     if staged:  # the ring the stream's device path allocates (``open_stager``), host memory beside the device's
-        est.staging = (stage_workers() + SPARE_SLOTS) * ring_nbytes(staged)
+        est.staging = (stage_workers() + SPARE_SLOTS) * block_nbytes(ring_nbytes(staged))
+    est.pinned = placement.pinned_bytes if placement is not None else 0
     if est.disk_weights:
         execution = prepared.execution  # the streamer's numbers: each layer on disk read once per forward
         est.disk_read, est.disk_buffers = execution.read_nbytes, est.disk_buffers + execution.buffer_nbytes

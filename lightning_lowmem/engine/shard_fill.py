@@ -24,6 +24,7 @@ from torch import nn
 from lightning_lowmem.meta import empty_like
 from lightning_lowmem.plan.dtensor_part import is_dtensor
 from lightning_lowmem.quantize import tensor_nbytes
+from lightning_lowmem.runtime.execution import mesh_device
 
 
 class Allocation:
@@ -71,23 +72,17 @@ def allocate_shards(module: nn.Module, device: torch.device | None = None,
 
     Args:
         module: the sharded model.
-        device: where the parts go.
+        device: where the parts go (default: this rank's device of the mesh, ``runtime/rank_device.py``: the one
+            its process group is bound to, else ``LOCAL_RANK``'s; never the current device).
         names: only these parameters (default: all).
     """
     allocation = Allocation()
     fsdp = fsdp_params(module)
     for name, param in sharded_parameters(module).items():
         if param.is_meta and (names is None or name in names):
-            allocation._undo.append(_allocate(param, fsdp.get(id(param)), device or _mesh_device(param)))
+            allocation._undo.append(_allocate(param, fsdp.get(id(param)), device or mesh_device(param.device_mesh)))
             allocation.names.append(name)
     return allocation
-
-
-def _mesh_device(param: torch.Tensor) -> torch.device:
-    kind = param.device_mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def _allocate(param: nn.Parameter, fsdp_param: Any, device: torch.device) -> Callable[[], None]:

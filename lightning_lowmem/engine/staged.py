@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from lightning_lowmem.engine.copies import CopyEngine
+from lightning_lowmem.transfer.copies import CopyEngine
 from lightning_lowmem.engine.reader import Payload, Reader
 from lightning_lowmem.engine.route import Route, Traits
 from lightning_lowmem.engine.stacked import stackable

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_lowmem.engine.copies import CopyEngine, Fence, engine_for
-from lightning_lowmem.engine.ring import SLOT_BYTES, SPARE_SLOTS, Ring
+from lightning_lowmem.transfer.copies import CopyEngine, Fence, engine_for
+from lightning_lowmem.transfer.ring import SLOT_BYTES, SPARE_SLOTS, Ring
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def row_nbytes(record: TensorRecord, into: torch.dtype) -> int:
 
 def ring_nbytes(specs: Sequence[tuple[TensorRecord, torch.dtype, int]]) -> int:
     """Bytes of each ring buffer for pieces of ``(record, dtype it is copied into, rows)``: the largest piece up to
-    :data:`~lightning_lowmem.engine.ring.SLOT_BYTES`, and at least one row of each."""
+    :data:`~lightning_lowmem.transfer.ring.SLOT_BYTES`, and at least one row of each."""
     rows = max((row_nbytes(rec, dtype) for rec, dtype, _ in specs), default=1)
     whole = max((row_nbytes(rec, dtype) * n for rec, dtype, n in specs), default=1)
     return max(rows, min(SLOT_BYTES, whole), 1)
@@ -126,8 +126,7 @@ class Stager:
         self._installing = 0
         self._start(index)
         payload, fence = self._futures.pop(index).result()
-        for tensor in payload.values() if isinstance(payload, dict) else (payload,):
-            self.engine.hand_over(tensor, fence)
+        self.engine.hand_over(payload.values() if isinstance(payload, dict) else (payload,), fence)
         self._installing = self._routes[index].held_nbytes
         self._start(index)
         return payload
@@ -196,7 +195,7 @@ class Stager:
         finally:
             self._futures.clear()
             self.ring.close()
-            self.engine.close()  # after the ring: CUDA's cached pinned memory is given back here
+            self.engine.close()  # after the ring: the pool's pinned blocks are given back here
 
 
 def load_window(routes: Sequence) -> int:

@@ -37,7 +37,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lightning_lowmem.engine.copies import ENGINES
 from lightning_lowmem.engine.reader import Payload, Reader, local_of
 from lightning_lowmem.engine.readahead import read_ahead
 from lightning_lowmem.engine.route import Route, Traits
@@ -52,6 +51,7 @@ from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.quantize import Quantizer
 from lightning_lowmem.quantize.rows import RowSource
 from lightning_lowmem.quantize.workers import RowWorkers
+from lightning_lowmem.runtime.execution import path_device  # the device path's device: the runtime's answer
 
 READ_AHEAD_FINAL = 512 * 2**20
 """Bytes read ahead of the tensor being handled (see readahead.py): only where what is read
@@ -112,12 +112,6 @@ def _stream(module: nn.Module, ckpt: Checkpoint, plan: LoadPlan, quantizer: Quan
     finally:
         bar.close()
     return tensors, nbytes
-
-
-def path_device(plan: LoadPlan) -> torch.device | None:
-    """The device whose tensors take the device path: the first one of the plan with a copy engine
-    (``copies.ENGINES``: CUDA), or None."""
-    return next((t.device for t in plan.targets if t.device.type in ENGINES), None)
 
 
 def _install(module: nn.Module, target: Target, tensor: Payload, quantizer: Quantizer | None,

@@ -13,11 +13,13 @@ two devices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_lowmem.plan import LoadPlan
+from lightning_lowmem.plan import LoadPlan, Target
+from lightning_lowmem.transfer import block_nbytes, lay_out
 
 
 @dataclass
@@ -34,6 +36,10 @@ class Layer:
         is_block: a child of the model's first ``ModuleList``.
         movable: False for tensors owned by the root or an ancestor of the blocks: never offloaded.
         device: where the plan puts it (filled in by the placement).
+        parts: bytes of each plain tensor its tensors are held as once loaded (a quantized weight's codes, scales
+            and tables): what its masters are carved as when it is offloaded (``pinned_nbytes``).
+        buffer_parts: bytes of each tensor a read buffer holds it as when it stays on disk (a weight stored
+            quantized: its stored parts; another tensor: itself in its dtype).
     """
 
     name: str
@@ -44,6 +50,20 @@ class Layer:
     is_block: bool = False
     movable: bool = True
     device: str = ""
+    parts: list[int] = field(default_factory=list)
+    buffer_parts: list[int] = field(default_factory=list)
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Host memory its masters take when it is offloaded: one block of its parts, each carved 64-byte aligned,
+        whole pages (``transfer/pinned.py``; pinned for a CUDA execution device)."""
+        return block_nbytes(lay_out(self.parts)[1])
+
+    @property
+    def buffer_nbytes(self) -> int:
+        """Host memory of one read buffer that holds it when it stays on disk: its buffer parts laid out as
+        ``pinned_nbytes`` lays out its parts."""
+        return block_nbytes(lay_out(self.buffer_parts)[1])
 
     @property
     def tied(self) -> bool:
@@ -97,7 +117,27 @@ def group_layers(module: nn.Module, plan: LoadPlan) -> list[Layer]:
         layer.tensors += target.names
         layer.nbytes += target.final_nbytes
         layer.read_nbytes += target.read_nbytes
+        layer.parts += final_parts(target)
+        layer.buffer_parts += buffer_parts(target)
     return list(layers.values())
+
+
+def final_parts(target: Target) -> tuple[int, ...]:
+    """Bytes of each plain tensor ``target`` is held as once loaded: itself in its dtype, or a quantized weight's
+    parts (``QuantScheme.stored_parts``); they add up to ``target.final_nbytes``."""
+    if target.scheme is None:
+        return (target.cast_nbytes,)
+    shape = tuple(target.record.shape) if target.shard is None else tuple(target.shard.local_shape)
+    parts = getattr(target.scheme, "stored_parts", None)
+    return tuple(parts(shape)) if parts is not None else (target.final_nbytes,)
+
+
+def buffer_parts(target: Target) -> tuple[int, ...]:
+    """Bytes of each tensor a disk tier's read buffer holds ``target`` as (``runtime/disk_units.py``): a weight
+    stored quantized, its parts as the file stores them; else itself in its dtype."""
+    if target.stored is not None:
+        return tuple(math.prod(p.shape) * p.dtype.itemsize for p in target.parts)
+    return (target.cast_nbytes,)
 
 
 def _layer_for(layers: dict[str, Layer], home: dict[str, str], name: str, is_block: bool, movable: bool) -> Layer:
@@ -114,6 +154,8 @@ def _join(layers: dict[str, Layer], home: dict[str, str], keep: Layer, other: La
     keep.tensors += other.tensors
     keep.nbytes += other.nbytes
     keep.read_nbytes += other.read_nbytes
+    keep.parts += other.parts
+    keep.buffer_parts += other.buffer_parts
     keep.is_block = keep.is_block and other.is_block
     keep.movable = keep.movable and other.movable
     keep.name = f"{keep.name}+{other.name}"

@@ -12,7 +12,9 @@ needs besides the weights:
 Layers (whole transformer blocks, see :mod:`.layers`) then take the rest of the
 accelerator in module order; a layer that does not fit goes to the CPU, whose
 budget holds the offloaded weights (the master copies that :mod:`.offload`
-streams in). Each layer's bytes are its targets' ``final_nbytes``: the target
+streams in) as the host memory they take: one block per layer, its tensors carved
+64-byte aligned, whole pages, pinned for the accelerator (``Layer.pinned_nbytes``).
+Each layer's bytes are its targets' ``final_nbytes``: the target
 dtype, quantized exactly where the load quantizes. The plan is arithmetic:
 device names need not exist on this machine.
 
@@ -111,9 +113,17 @@ class PlacementPlan:
     @property
     def disk_buffer_bytes(self) -> int:
         """Host memory the layers on disk are read into, beside the budgets: two buffers of the largest of them, and
-        one of its own for each layer of tied modules (kept from the first of them to the last in a forward)."""
-        tied = sum(layer.nbytes for layer in self.on_disk if layer.tied)
-        return DISK_BUFFERS * max((layer.nbytes for layer in self.on_disk if not layer.tied), default=0) + tied
+        one of its own for each layer of tied modules (kept from the first of them to the last in a forward); each a
+        block of whole pages (``Layer.buffer_nbytes``), pinned for an accelerator."""
+        tied = sum(layer.buffer_nbytes for layer in self.on_disk if layer.tied)
+        return DISK_BUFFERS * max((layer.buffer_nbytes for layer in self.on_disk if not layer.tied), default=0) + tied
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the offloaded layers' masters take: a block of whole pages per layer, each part carved
+        64-byte aligned (``Layer.pinned_nbytes``), pinned for the accelerator they are copied to. What the CPU's
+        budget holds for them, and what ``Offload.pinned_bytes`` holds once they are dispatched."""
+        return sum(layer.pinned_nbytes for layer in self.offloaded)
 
     def seconds_per_token(self, read_bandwidth: float | None = None) -> float | None:
         """Seconds each forward spends reading the layers on disk, at ``read_bandwidth`` bytes per second (default:
@@ -145,9 +155,12 @@ class PlacementPlan:
         return out
 
     def reserved_per_device(self) -> dict[str, int]:
-        """Bytes reserved beside the weights: caches, activations and streaming room."""
+        """Bytes reserved beside the weights: caches, activations and streaming room on the execution device; on the
+        CPU, what the offloaded layers' blocks take beyond their weights (alignment, whole pages)."""
         out = dict.fromkeys(self.budgets, 0)
         out[self.execution_device] = self.cache_bytes + self.activation_bytes + self.stream_bytes
+        if self.offload_device is not None and self.offload_device != self.execution_device:
+            out[self.offload_device] = self.pinned_bytes - sum(layer.nbytes for layer in self.offloaded)
         return out
 
     def used_per_device(self) -> dict[str, int]:
@@ -207,7 +220,7 @@ class PlacementPlan:
 
     def _disk_line(self) -> str:
         n = len(self.on_disk)
-        tied = sum(layer.nbytes for layer in self.on_disk if layer.tied)
+        tied = sum(layer.buffer_nbytes for layer in self.on_disk if layer.tied)
         largest = (self.disk_buffer_bytes - tied) // DISK_BUFFERS
         buffers = f"{DISK_BUFFERS} x {format_bytes(largest)}" + (f" + {format_bytes(tied)} (tied)" if tied else "")
         line = (f"  on disk (read from the checkpoint file for each forward): {n} layer{'s' if n > 1 else ''}, "
@@ -360,10 +373,11 @@ def _fill(p: PlacementPlan, buffers: int, cap: int) -> int:
     for layer in p.layers:
         if id(layer) in stay:
             continue
-        fits = next((d for d in (execution, offload) if d is not None and layer.nbytes <= free[d]), None)
+        cost = {execution: layer.nbytes, offload: layer.pinned_nbytes}  # offloaded: its block of host memory
+        fits = next((d for d in (execution, offload) if d is not None and cost[d] <= free[d]), None)
         layer.device = fits or (DISK if p.disk else beyond[0])
         if fits is not None:
-            free[fits] -= layer.nbytes
+            free[fits] -= cost[fits]
     p.stream_buffers = buffers if p.streamed else 0
     p._device_of = {}
     used = p.used_per_device()

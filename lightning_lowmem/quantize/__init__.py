@@ -8,7 +8,9 @@ transforms (``nf4``: torchao's NF4 made by blocks of rows), ``bnb_layout`` and
 ``torchao_layout`` their weights as transformers saves them, ``selection`` the one rule
 that picks the Linears (marking the load plan), ``stored`` checkpoints that hold weights
 already quantized, ``rows`` quantizing a block of rows at a time, ``quantizer`` the
-loader's side, ``nbytes`` what a quantized tensor really holds.
+loader's side, ``nbytes`` what a quantized tensor really holds, ``moves`` (and ``bnb_moves``)
+how a quantized weight moves whole: every tensor its forward reads, and the weight rebuilt
+around copies of them.
 
 Example::
 
@@ -23,7 +25,7 @@ Example::
     ({'0': 'bnb.nf4'}, 0.28)
 """
 
-from lightning_lowmem.quantize import bnb, bnb_layout, torchao, torchao_layout  # noqa: F401  (register them)
+from lightning_lowmem.quantize import bnb, bnb_layout, bnb_moves, torchao, torchao_layout  # noqa: F401  (register them)
 from lightning_lowmem.quantize.bnb import BnbFP4, BnbFP4DQ, BnbInt8, BnbNF4, BnbNF4DQ
 from lightning_lowmem.quantize.layouts import LAYOUTS, StoredLayout, StoredWeight, layout_of, register_layout, scheme_of
 from lightning_lowmem.quantize.nbytes import module_nbytes, tensor_nbytes

@@ -83,10 +83,16 @@ class Bnb4bit(BnbScheme):
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Packed 4-bit pairs, the 16-value fp32 code table, and the scales: fp32 per block, or (double
         quantization) uint8 per block with an fp32 scale per 256 of them, an fp32 offset and their code."""
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The packed data, the scales and the code table (and with double quantization the offset, the scales'
+        scales and their code table): the tensors of a ``Params4bit`` and its ``quant_state``."""
         n = math.prod(shape)
         blocks = math.ceil(n / self.blocksize)
-        scales = blocks + 4 * math.ceil(blocks / 256) + 4 + 1024 if self.double_quant else 4 * blocks
-        return math.ceil(n / 2) + 64 + scales
+        if self.double_quant:
+            return math.ceil(n / 2), blocks, 64, 4, 4 * math.ceil(blocks / 256), 1024
+        return math.ceil(n / 2), 4 * blocks, 64
 
     def stack_reason(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
         return None if dtype.is_floating_point else f"its weight is {dtype}, not floating point"
@@ -147,7 +153,10 @@ class BnbInt8(BnbScheme):
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes and an fp32 scale per output row."""
-        return math.prod(shape) + 4 * shape[0]
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return math.prod(shape), 4 * shape[0]
 
 
 @register_transform(Bnb4bit)

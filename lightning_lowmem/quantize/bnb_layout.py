@@ -131,13 +131,21 @@ class Bnb4bitLayout(StoredLayout):
 
     def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
                     device: torch.device) -> None:
-        """``Params4bit.from_prequantized`` on the stored tensors, as transformers loads them."""
+        """The ``Params4bit`` and quant state ``Params4bit.from_prequantized`` makes of the stored tensors (what
+        transformers calls), built from the quant state parsed with the headers (``stored.info``): the JSON is not
+        read again from the tensors, and tensors already on ``device`` (the disk tier's copies) stay as they are, so
+        a layer read for each forward costs no copy back to the host and no blocking one to the device (the
+        double-quantization offset is filled on the device)."""
         from bitsandbytes.nn import Params4bit
 
         try:
-            weight = Params4bit.from_prequantized(data=tensors["weight"], quantized_stats=_stats(stored, tensors),
-                                                  requires_grad=False, device=device, module=module)
-        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
+            state = _quant_state(stored, {role: t.to(device) for role, t in tensors.items() if role != "quant_state"},
+                                 device)
+            weight = Params4bit(tensors["weight"].to(device), requires_grad=False, quant_state=state,
+                                blocksize=state.blocksize, compress_statistics=state.nested,
+                                quant_type=state.quant_type, quant_storage=tensors["weight"].dtype, module=module,
+                                bnb_quantized=True)
+        except (ValueError, KeyError, TypeError, AssertionError) as e:
             raise CheckpointFormatError(f"{stored.where('quant_state')}: bitsandbytes cannot rebuild the quant "
                                         f"state ({type(e).__name__}: {e}). {_RESAVE}") from e
         module.weight = weight
@@ -236,6 +244,22 @@ def _unpacked_for_cpu(module: nn.Module, weight: torch.Tensor, state: Any) -> tu
     return weight, state
 
 
+def _quant_state(stored: StoredWeight, tensors: Mapping[str, torch.Tensor], device: torch.device) -> Any:
+    """The ``QuantState`` ``QuantState.from_dict`` makes of the stored tensors (by role, on ``device``) and the
+    parsed JSON (``stored.info``), without reading the JSON tensor: the nested offset is a fill on ``device``."""
+    import bitsandbytes.functional as F
+
+    info = stored.info
+    offset = state2 = None
+    if "nested_absmax" in tensors:
+        offset = torch.full((), float(info["nested_offset"]), dtype=torch.float32, device=device)
+        state2 = F.QuantState(absmax=tensors["nested_absmax"], code=tensors["nested_quant_map"],
+                              blocksize=info["nested_blocksize"], dtype=_FLOATS[info["nested_dtype"]])
+    return F.QuantState(absmax=tensors["absmax"], shape=torch.Size(info["shape"]), code=tensors["quant_map"],
+                        blocksize=info["blocksize"], quant_type=info["quant_type"], dtype=_FLOATS[info["dtype"]],
+                        offset=offset, state2=state2)
+
+
 def _stats(stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors ``Params4bit.from_prequantized`` and ``QuantState.from_dict`` take, under their keys."""
     start = len(stored.key) + 1  # "<module>.weight.absmax" -> "absmax"
@@ -326,21 +350,29 @@ class BnbInt8Layout(StoredLayout):
         if flag is not None and (flag.numel != 1 or flag.dtype not in (torch.uint8, torch.int64, torch.int32)):
             raise CheckpointFormatError(f"{stored.where('weight_format')} is {flag.dtype} {list(flag.shape)}, not "
                                         f"the one-element format flag bitsandbytes writes. {_RESAVE}")
-        if flag is not None and (value := int(read(flag.key).reshape(-1)[0])) != 0:  # one element, before any weight
-            raise CheckpointFormatError(f"{stored.where('weight_format')} is {value}; bitsandbytes reads only "
-                                        "row-major int8 weights (0), and writes 0. Save it again with bitsandbytes "
-                                        ">= 0.45.")
+        if flag is not None:  # one element, read before any weight
+            self.check_read(stored, {"weight_format": read(flag.key)})
         stored.shape, stored.dtype = tuple(weight.shape), torch.float32
         # the threshold is not stored: it is a run option, the one asked for is used
         stored.scheme = requested if isinstance(requested, BnbInt8) else BnbInt8()
 
     def load_stored(self, module: nn.Module, stored: StoredWeight, tensors: Mapping[str, torch.Tensor],
                     device: torch.device) -> None:
+        """An ``Int8Params`` around the stored codes and row scales; the format flag is checked where it is on the
+        host (the disk tier checks it as read: :meth:`check_read`), never read back from a device."""
         from bitsandbytes.nn import Int8Params
 
         weight = tensors["weight"].to(device)  # its weight_format was checked to be 0 (row-major) by resolve_stored
         module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, CB=weight,
                                    SCB=tensors["SCB"].to(device))
+
+    def check_read(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The format flag as read (on the host): bitsandbytes reads row-major int8 weights only (and writes 0)."""
+        flag = tensors.get("weight_format")
+        if flag is not None and (value := int(flag.reshape(-1)[0])) != 0:
+            raise CheckpointFormatError(f"{stored.where('weight_format')} is {value}; bitsandbytes reads only "
+                                        "row-major int8 weights (0), and writes 0. Save it again with bitsandbytes "
+                                        ">= 0.45.")
 
     def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         import bitsandbytes.functional as F

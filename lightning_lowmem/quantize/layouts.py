@@ -129,6 +129,16 @@ class StoredLayout:
         ``replace``) on ``device``, as they are."""
         raise NotImplementedError
 
+    def check_read(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Check the stored ``tensors`` (by role, as read, on the host) where their values matter and the headers could
+        not tell (a format flag): called where they are read, so nothing is read back from a device. Nothing by
+        default.
+
+        Raises:
+            CheckpointFormatError: a stored value the library cannot read, naming the key.
+        """
+        return None
+
     def dequantize_stored(self, stored: StoredWeight, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The full-precision weight the stored ``tensors`` (by role) stand for; on meta, an empty one."""
         raise NotImplementedError

@@ -193,5 +193,11 @@ def nf4_nbytes(numel: int, block_size: int, scaler_block_size: int, itemsize: in
         >>> nf4_nbytes(8192 * 2048, 64, 256)  # codes, int8 scales, bf16 scales of scales, mean, table
         8652834
     """
+    return sum(nf4_parts(numel, block_size, scaler_block_size, itemsize))
+
+
+def nf4_parts(numel: int, block_size: int, scaler_block_size: int, itemsize: int = 2) -> tuple[int, ...]:
+    """Bytes of each inner tensor of an ``NF4Tensor`` of ``numel`` elements: the 4-bit codes, an int8 scale per
+    block, a scale per ``scaler_block_size`` scales, the scales' mean and the 16-value code table."""
     blocks = numel // block_size
-    return math.ceil(numel / 2) + blocks + itemsize * (blocks // scaler_block_size) + itemsize + 16 * itemsize
+    return math.ceil(numel / 2), blocks, itemsize * (blocks // scaler_block_size), itemsize, 16 * itemsize

@@ -116,6 +116,12 @@ class QuantScheme:
         """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
         raise NotImplementedError
 
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Bytes of each plain tensor a weight of ``shape`` is held as (codes, scales, code tables), which add up to
+        :meth:`stored_nbytes`: what the weight's master takes in host memory when its layer is offloaded, each part
+        carved on its own (``transfer/pinned.py``). Default: one tensor."""
+        return (self.stored_nbytes(shape),)
+
     def unavailable_reason(self, device: torch.device) -> str | None:
         """Why the scheme cannot run on ``device`` (a missing package or kernel), or None when it can."""
         if importlib.util.find_spec(self.package) is None:

@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_nbytes, quantize_own_rows, quantize_rows
+from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_parts, quantize_own_rows, quantize_rows
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
@@ -73,7 +73,10 @@ class TorchaoInt8WeightOnly(TorchaoScheme):
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""
-        return math.prod(shape) + 5 * shape[0]
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return math.prod(shape), 4 * shape[0], shape[0]
 
     def torchao_config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8WeightOnlyConfig
@@ -91,7 +94,10 @@ class TorchaoInt8Dynamic(TorchaoScheme):
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """int8 codes, and an fp32 scale and an int8 zero point per output row."""
-        return math.prod(shape) + 5 * shape[0]
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return math.prod(shape), 4 * shape[0], shape[0]
 
     def torchao_config(self, device: torch.device) -> Any:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
@@ -120,8 +126,11 @@ class TorchaoInt4WeightOnly(TorchaoScheme):
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Packed 4-bit pairs, and a bf16 scale and zero point per group (torchao's ``Int4WeightOnlyConfig``
         layout; not measured here: no CPU kernel)."""
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         n = math.prod(shape)
-        return math.ceil(n / 2) + 4 * math.ceil(n / self.group_size)
+        return math.ceil(n / 2), 2 * math.ceil(n / self.group_size), 2 * math.ceil(n / self.group_size)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         reason = super().unavailable_reason(device)
@@ -189,7 +198,11 @@ class TorchaoNF4(QuantScheme):
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """4-bit codes, an int8 scale per block, a bf16 scale per ``scaler_block_size`` scales, a bf16 mean and
         the 16-value bf16 code table (bf16 weights; fp32 ones store those three in fp32)."""
-        return nf4_nbytes(math.prod(shape), self.block_size, self.scaler_block_size)
+        return sum(self.stored_parts(shape))
+
+    def stored_parts(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """An ``NF4Tensor``'s inner tensors (``nf4_parts``)."""
+        return nf4_parts(math.prod(shape), self.block_size, self.scaler_block_size)
 
     def layer_reason(self, linear: nn.Linear, dtype: torch.dtype) -> str | None:
         reason = super().layer_reason(linear, dtype)

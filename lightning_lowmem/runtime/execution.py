@@ -15,6 +15,21 @@ the estimate.
                         placement's numbers, which the estimate and the placement table print
 
 Without a placement every tensor computes where it is loaded (``device=``, or where the module holds it).
+
+This module is the one owner of where and how a layer runs; every face asks it (``engine/defaults.py`` turns a
+load's options into its questions):
+
+::
+
+    execution_device(budget_device, device, default)   where a load computes: max_memory's execution device, else
+                                                       ``device``, else the face's default
+    default_device()                                   litgpt's default: CUDA when there is one, else the CPU
+    compute_dtype(dtype, device)                       ``dtype``, but fp16 for bf16 where ``device`` lacks bf16
+    path_device(plan)                                  the device whose tensors a load copies through a copy engine
+    collective_device(group) / mesh_device(mesh)       this rank's device for a collective, or for a DTensor's
+                                                       shards: the one its process group is bound to, else
+                                                       ``LOCAL_RANK``'s, else the only one; never the current
+                                                       device (a script that never set it has every rank on device 0)
 """
 
 from __future__ import annotations
@@ -27,6 +42,8 @@ from typing import Literal
 import torch
 
 from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.runtime.rank_device import collective_device, device_index, device_type_for, mesh_device
+from lightning_lowmem.transfer import ENGINES
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import DISK, Layer, PlacementPlan
 from lightning_lowmem.plan import LoadPlan, Target
@@ -186,3 +203,40 @@ def _floating(targets: list[Target], of: Callable[[Target], tuple[torch.dtype, i
             weights[dtype] += nbytes
     return max(weights, key=weights.__getitem__) if weights else None
 
+
+def execution_device(budget_device: str | None, device: torch.device | None,
+                     default: torch.device | str | None = None) -> torch.device | None:
+    """Where a load computes: ``budget_device`` (``max_memory``'s execution device: offloaded and on-disk layers are
+    brought there for their forward), else ``device``, else ``default`` (None: each tensor where the module holds it).
+
+    Example::
+
+        >>> execution_device("cuda:0", None), execution_device(None, None, "cpu"), execution_device(None, None)
+        (device(type='cuda', index=0), device(type='cpu'), None)
+    """
+    if budget_device is not None:
+        return torch.device(budget_device)
+    if device is not None:
+        return torch.device(device)
+    return torch.device(default) if default is not None else None
+
+
+def default_device() -> torch.device:
+    """litgpt's default device: ``cuda`` when this machine has one, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def compute_dtype(dtype: torch.dtype | None, device: torch.device | str) -> torch.dtype | None:
+    """The floating dtype a tensor of ``dtype`` computes in on ``device``: fp16 for bf16 where ``device`` lacks bf16
+    (the rule :meth:`ExecutionPlan.compute_dtype` applies to each layer); None stays None."""
+    return None if dtype is None else fallback_dtype(dtype, device, warn=False)
+
+
+def path_device(plan: LoadPlan) -> torch.device | None:
+    """The device whose tensors take a load's device path: the first one of ``plan`` with a copy engine
+    (``transfer.ENGINES``: CUDA), or None."""
+    return next((t.device for t in plan.targets if t.device.type in ENGINES), None)
+
+
+__all__ = ["ExecutionPlan", "LayerRun", "Tier", "collective_device", "compute_dtype", "default_device",
+           "device_index", "device_type_for", "execution_device", "mesh_device", "path_device"]

@@ -39,6 +39,7 @@ from lightning_lowmem.runtime.disk_model import mark, unmark
 from lightning_lowmem.runtime.disk_units import DiskUnit
 from lightning_lowmem.runtime.layer_buffers import LayerBuffers, to_device
 from lightning_lowmem.runtime.source import Fetched, Source
+from lightning_lowmem.transfer import CopyEngine
 
 ReadLayer = Callable[[DiskUnit, torch.Tensor], list[Any]]
 """Reads a layer's targets into a buffer (into its slots where it can) and returns them, one per target; checks the
@@ -70,8 +71,7 @@ class FileReads(Source):
         held = [unit for unit in units if unit.held]
         largest = max((unit.nbytes for unit in units if not unit.held), default=0)
         self._own_buffer = {unit.name: 2 + i for i, unit in enumerate(held)}
-        self.buffers = LayerBuffers([largest, largest] + [unit.nbytes for unit in held],
-                                    pin=device.type == "cuda" and torch.cuda.is_available())
+        self.buffers = LayerBuffers([largest, largest] + [unit.nbytes for unit in held], device)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowmem-disk")
         self._owned = contextlib.ExitStack()
         self._using: dict[str, int] = {}  # module installed -> the buffer it computes from
@@ -102,8 +102,9 @@ class FileReads(Source):
             return None if ahead else -1
         return free
 
-    def fetch(self, name: str, claim: int, stream: torch.cuda.Stream | None) -> Fetched:
-        """Read ``name``'s layer into buffer ``claim`` (and copy it to the device); runs on the reading thread."""
+    def fetch(self, name: str, claim: int, engine: CopyEngine | None) -> Fetched:
+        """Read ``name``'s layer into buffer ``claim`` (and copy it to the device through ``engine``); runs on the
+        reading thread."""
         unit = self._unit_of[name]
         if claim >= 0:
             self.buffers.free(claim)
@@ -111,12 +112,12 @@ class FileReads(Source):
         else:
             buffer = torch.empty(unit.nbytes, dtype=torch.uint8)
         host = self._read(unit, buffer)
-        tensors, event = host, None
-        if self.device.type == "cuda":
-            tensors, event = to_device(host, self.device, stream)
+        tensors, fence = host, None
+        if engine is not None:
+            tensors, fence = to_device(host, engine)
             if claim >= 0:
-                self.buffers.copied(claim, event)
-        return Fetched(name, tensors, event, claim, host, reads=1, bytes_read=unit.read_nbytes)
+                self.buffers.copied(claim, fence)
+        return Fetched(name, tensors, fence, claim, host, reads=1, bytes_read=unit.read_nbytes)
 
     def held(self, name: str) -> Fetched | None:
         """The read of ``name``'s layer this forward, when its tied module ran first (on CUDA copied again). A read
@@ -129,11 +130,11 @@ class FileReads(Source):
             read = None
         if read is None:
             return None
-        if self.device.type != "cuda":
+        if self.engine is None:
             return Fetched(name, read.host, None, read.claim, read.host)
-        tensors, event = to_device(read.host, self.device, None)
-        self.buffers.copied(read.claim, event)
-        return Fetched(name, tensors, event, read.claim, read.host)
+        tensors, fence = to_device(read.host, self.engine)
+        self.buffers.copied(read.claim, fence)
+        return Fetched(name, tensors, fence, read.claim, read.host)
 
     def same_fetch(self, a: str, b: str) -> bool:
         """One read serves every module of a layer (the modules of tied ones)."""

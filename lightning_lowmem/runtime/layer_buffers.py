@@ -3,11 +3,13 @@
 ::
 
     lay_out(specs)                 where each tensor of a layer lies in a buffer (a :class:`Slot`), 64-byte aligned
-    LayerBuffers(sizes, pin)       a buffer of each size, pinned for a CUDA device: two of the largest layer on
-                                   disk, and one for each layer of tied modules (``file_reads.py``)
+                                   (``transfer/pinned.py``: the arithmetic the placement counts with)
+    LayerBuffers(sizes, device)    a buffer of each size, from a host pool (pinned for a CUDA device, whole pages):
+                                   two of the largest layer on disk, and one for each layer of tied modules
+                                   (``file_reads.py``)
         .buffer(i)                 buffer ``i``; ``view(buffer, slot)`` is a tensor over its bytes
         .free(i)                   wait until the copies made from buffer ``i`` to the device are done
-    to_device(payload, device, stream)   a layer's tensors copied to the device (CUDA only)
+    to_device(payloads, engine)    a layer's tensors copied to the device through the streamer's copy engine
 
 A layer is read into one buffer while the previous one computes from the other, so these buffers are the only
 memory the layers on disk take on the host. Fresh memory for each read would cost a page fault per page on first
@@ -22,9 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-ALIGN = 64
-"""Bytes each view starts on a multiple of (a cache line; kernels that vectorize like aligned rows)."""
-
+from lightning_lowmem.transfer import CopyEngine, Fence, HostPool
+from lightning_lowmem.transfer import lay_out as lay_out_bytes
 
 @dataclass(frozen=True)
 class Slot:
@@ -40,21 +41,18 @@ class Slot:
 
 
 def lay_out(specs: Iterable[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[Slot], int]:
-    """Slots for tensors of ``(shape, dtype)``, one after the other, each starting on an :data:`ALIGN` boundary;
-    and the bytes they span.
+    """Slots for tensors of ``(shape, dtype)``, one after the other, each starting on a 64-byte boundary;
+    and the bytes they take (``transfer.lay_out``).
 
     Example::
 
         >>> slots, nbytes = lay_out([((2, 3), torch.float32), ((4,), torch.bfloat16)])
         >>> [s.offset for s in slots], nbytes
-        ([0, 64], 72)
+        ([0, 64], 128)
     """
-    slots, end = [], 0
-    for shape, dtype in specs:
-        slot = Slot(-(-end // ALIGN) * ALIGN, tuple(shape), dtype)
-        slots.append(slot)
-        end = slot.offset + slot.nbytes
-    return slots, end
+    specs = [(tuple(shape), dtype) for shape, dtype in specs]
+    offsets, nbytes = lay_out_bytes(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
+    return [Slot(offset, shape, dtype) for offset, (shape, dtype) in zip(offsets, specs)], nbytes
 
 
 def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
@@ -63,22 +61,24 @@ def view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
 
 
 class LayerBuffers:
-    """A host buffer of each of ``sizes``, pinned when the layers are copied on to a CUDA device.
+    """A host buffer of each of ``sizes``, from a pool of host memory (pinned when the layers are copied on to a
+    CUDA device; whole pages).
 
     Args:
         sizes: bytes of each buffer (aligned layer sizes).
-        pin: pin them (page-locked memory), so that copies to the device are asynchronous.
+        device: the device the layers are copied to (CUDA: the buffers are pinned, so that copies are asynchronous).
     """
 
-    def __init__(self, sizes: list[int], pin: bool = False) -> None:
+    def __init__(self, sizes: list[int], device: torch.device | str = "cpu") -> None:
         self.sizes = list(sizes)
-        self._buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.sizes]
-        self._copied: list[torch.cuda.Event | None] = [None] * len(self.sizes)  # copies made from each to the device
+        self.pool = HostPool(device)
+        self._buffers = [self.pool.block(n)[:n] for n in self.sizes]
+        self._copied: list[Fence | None] = [None] * len(self.sizes)  # copies made from each to the device
 
     @property
     def nbytes(self) -> int:
-        """Bytes of all the buffers together."""
-        return sum(self.sizes)
+        """Bytes the buffers take together: the pool's blocks (whole pages)."""
+        return self.pool.nbytes
 
     def buffer(self, index: int) -> torch.Tensor:
         """Buffer ``index``; call :meth:`free` before writing into it."""
@@ -86,26 +86,26 @@ class LayerBuffers:
 
     def free(self, index: int) -> None:
         """Wait until the copies last made from buffer ``index`` to the device are done (so it can be read into)."""
-        event, self._copied[index] = self._copied[index], None
-        if event is not None:
-            event.synchronize()
+        fence, self._copied[index] = self._copied[index], None
+        if fence is not None:
+            fence.wait()
 
-    def copied(self, index: int, event: torch.cuda.Event | None) -> None:
-        """Note that copies from buffer ``index`` to the device end with ``event``."""
-        self._copied[index] = event
+    def copied(self, index: int, fence: Fence | None) -> None:
+        """Note that copies from buffer ``index`` to the device end with ``fence``."""
+        self._copied[index] = fence
 
 
-def to_device(payloads: list, device: torch.device,
-              stream: torch.cuda.Stream | None) -> tuple[list, torch.cuda.Event]:
-    """Each tensor of ``payloads`` (tensors, or dicts of a stored weight's parts) copied to ``device`` on ``stream``
-    (None: the current stream), and the event that marks the copies done (wait for it on the stream that uses them;
-    the buffer they come from is free once it has passed)."""
+def to_device(payloads: list, engine: CopyEngine) -> tuple[list, Fence | None]:
+    """Each tensor of ``payloads`` (tensors, or dicts of a stored weight's parts) copied to ``engine``'s device, and
+    the fence of the last copy (the buffer they come from is free once it has passed; the consumer hands the copies
+    over with ``engine.hand_over``)."""
+    fence = None
+
     def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
+        nonlocal fence
+        out = engine.empty(tuple(t.shape), t.dtype)
+        fence = engine.copy(out, t) or fence
+        return out
 
-    stream = stream if stream is not None else torch.cuda.current_stream(device)
-    with torch.cuda.stream(stream):
-        moved = [{k: move(v) for k, v in p.items()} if isinstance(p, dict) else move(p) for p in payloads]
-        event = torch.cuda.Event()
-        event.record(stream)
-    return moved, event
+    moved = [{k: move(v) for k, v in p.items()} if isinstance(p, dict) else move(p) for p in payloads]
+    return moved, fence

@@ -45,10 +45,13 @@ class Offload(LayerStreamer):
         host: where the masters live.
         prefetch: copy the next module while the current one computes.
         pin: pin the masters (default: when ``device`` is CUDA).
+        groups: module names whose masters share one block of host memory (a placement's layers); default: each
+            module alone.
     """
 
     def __init__(self, root: nn.Module | None, modules: Mapping[str, nn.Module], device: torch.device | str, *,
-                 host: torch.device | str = "cpu", prefetch: bool = True, pin: bool | None = None) -> None:
+                 host: torch.device | str = "cpu", prefetch: bool = True, pin: bool | None = None,
+                 groups: list[list[str]] | None = None) -> None:
         device = torch.device(device)
         if root is None:
             if len(modules) != 1:
@@ -56,8 +59,8 @@ class Offload(LayerStreamer):
                                  "modules; without one it offloads a single module.")
             root = next(iter(modules.values()))
         pin = device.type == "cuda" and torch.cuda.is_available() if pin is None else pin
-        source = HostCopies(modules, device, torch.device(host), pin)
-        super().__init__(root, modules, source, device, prefetch=prefetch, side_stream=prefetch)
+        source = HostCopies(modules, device, torch.device(host), pin, groups)
+        super().__init__(root, modules, source, device, prefetch=prefetch)
 
     @property
     def streaming(self) -> str:
@@ -72,6 +75,12 @@ class Offload(LayerStreamer):
     def offloaded_bytes(self) -> int:
         """Bytes of the masters kept on the host (a tensor several modules share, once)."""
         return self.source.nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host memory the masters take: their blocks, whole pages, pinned for CUDA (what the placement counts on the
+        CPU for the layers it offloaded)."""
+        return self.source.pinned_bytes
 
 
 def sequential_offload(module: nn.Module, device: torch.device | str, *, host: torch.device | str = "cpu",
@@ -126,9 +135,10 @@ def dispatch(model: nn.Module, plan: PlacementPlan | ExecutionPlan, *, device: t
     placement = execution.placement
     if placement is None or not execution.offloaded:
         return None
-    names = [name for layer in execution.offloaded for name in layer.modules]
-    return layer_offload(model, device or execution.device, layers=names, host=placement.offload_device,
-                         prefetch=placement.prefetch if prefetch is None else prefetch)
+    groups = [list(layer.modules) for layer in execution.offloaded]
+    modules = {name: model.get_submodule(name) for group in groups for name in group}
+    return Offload(model, modules, device or execution.device, host=placement.offload_device,
+                   prefetch=placement.prefetch if prefetch is None else prefetch, groups=groups)
 
 
 OffloadMode = Literal["sequential", "layers"]

@@ -4,8 +4,9 @@ fetch hands it.
 ::
 
     claim(name, ahead)         on the forward's thread: what a fetch of ``name`` writes into (a buffer), or None
-    fetch(name, claim, stream) the tensors of ``name``, copied to the device on ``stream`` where it is a CUDA one;
-                               on the source's reading thread when it has one (``background``)
+    fetch(name, claim, engine) the tensors of ``name``, copied to the device through the streamer's copy engine
+                               (``transfer/copies.py``; None: the CPU, nothing to copy through); on the source's
+                               reading thread when it has one (``background``)
     held(name)                 the tensors of ``name`` kept from earlier in this forward, or None (nothing fetched)
     same_fetch(a, b)           whether a fetch of ``a`` serves ``b`` as well (tied modules: one read)
     install / release          the module's tensors pointed at a fetch, and back
@@ -25,6 +26,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lightning_lowmem.transfer import CopyEngine, Fence
+
 
 @dataclass
 class Fetched:
@@ -33,7 +36,7 @@ class Fetched:
     Attributes:
         name: the module fetched.
         tensors: one per tensor the source installs (a dict of parts for a weight stored quantized).
-        event: on CUDA, the event that marks the copies made on the side stream done; else None.
+        fence: the end of the copies made to the device (the copy engine's; None: done, or none made).
         claim: what the source wrote into (its buffer), handed back at release.
         host: the tensors as fetched on the host, before any copy to the device (file reads keep these).
         reads: reads from the checkpoint file it made (0 or 1).
@@ -43,7 +46,7 @@ class Fetched:
 
     name: str
     tensors: list[Any]
-    event: torch.cuda.Event | None = None
+    fence: Fence | None = None
     claim: Any = None
     host: list[Any] = field(default_factory=list)
     reads: int = 0
@@ -63,16 +66,18 @@ class Source:
         cyclic: the next forward's first module is fetched as a forward ends (what is fetched into is the source's
             own memory, not the device's).
         executor: the reading thread, for a background source.
+        engine: the streamer's copy engine (set by the streamer), for copies made outside ``fetch``.
     """
 
     background: ClassVar[bool] = False
     cyclic: ClassVar[bool] = False
     executor: ThreadPoolExecutor | None = None
+    engine: CopyEngine | None = None
 
     def claim(self, name: str, ahead: bool) -> Any:
         return 0
 
-    def fetch(self, name: str, claim: Any, stream: torch.cuda.Stream | None) -> Fetched:
+    def fetch(self, name: str, claim: Any, engine: CopyEngine | None) -> Fetched:
         raise NotImplementedError
 
     def held(self, name: str) -> Fetched | None:

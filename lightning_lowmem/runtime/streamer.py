@@ -51,6 +51,7 @@ from lightning_lowmem.quantize import tensor_nbytes
 from lightning_lowmem.runtime.guard import guard, unguard
 from lightning_lowmem.runtime.source import Fetched, Source
 from lightning_lowmem.threads import OwnThreads, own_threads
+from lightning_lowmem.transfer import CopyEngine, engine_for
 
 
 @dataclass
@@ -95,11 +96,14 @@ class LayerStreamer:
         source: where their tensors come from.
         device: the execution device.
         prefetch: fetch the next module while the current one computes.
-        side_stream: on CUDA, make the copies on a side stream (so that they overlap the compute).
+
+    Attributes:
+        engine: the copy engine the source copies to the device through (``transfer/copies.py``: a side stream for
+            CUDA); None where the device has none (the CPU: the disk tier computes from its read buffers).
     """
 
     def __init__(self, root: nn.Module, modules: Mapping[str, nn.Module], source: Source, device: torch.device | str,
-                 *, prefetch: bool = True, side_stream: bool = True) -> None:
+                 *, prefetch: bool = True) -> None:
         self.device = torch.device(device)
         self.modules = dict(modules)
         self.source = source
@@ -118,15 +122,16 @@ class LayerStreamer:
         self._depth = 0  # the root's forwards it runs, one inside the other
         self._lowered: OwnThreads | None = None
         self._spare_core = source.background and self.device.type == "cpu"
-        cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self._stream = torch.cuda.Stream(self.device) if cuda and side_stream else None
+        usable = self.device.type != "cuda" or torch.cuda.is_available()
+        self.engine: CopyEngine | None = engine_for(self.device) if usable else None
+        source.engine = self.engine
         self._handles: list[RemovableHandle] = []
         me = weakref.ref(self)
         for name, module in self.modules.items():
             self._handles.append(module.register_forward_pre_hook(_before(me, name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_after(me, name), always_call=True))
         guard(root, self)
-        self._finalizer = weakref.finalize(root, source.shutdown)
+        self._finalizer = weakref.finalize(root, _shutdown, source, self.engine)
 
     @property
     def streaming(self) -> str:
@@ -289,20 +294,19 @@ class LayerStreamer:
         claim = self.source.claim(name, ahead)
         if claim is None:
             return  # nothing to fetch ahead into (or nothing to fetch: held already)
-        stream = self._stream if ahead or self.source.background else None
         if self.source.background:
-            future = self.source.executor.submit(self._timed, name, claim, stream)
+            future = self.source.executor.submit(self._timed, name, claim, self.engine)
         else:
             future = Future()
             try:
-                future.set_result(self._timed(name, claim, stream))
+                future.set_result(self._timed(name, claim, self.engine))
             except BaseException as e:  # the fetch's own error, raised when it is waited for
                 future.set_exception(e)
         self._pending = _Pending(name, future, ahead)
 
-    def _timed(self, name: str, claim: Any, stream: torch.cuda.Stream | None) -> Fetched:
+    def _timed(self, name: str, claim: Any, engine: CopyEngine | None) -> Fetched:
         start = time.perf_counter()
-        fetched = self.source.fetch(name, claim, stream)
+        fetched = self.source.fetch(name, claim, engine)
         fetched.seconds = time.perf_counter() - start
         return fetched
 
@@ -343,13 +347,10 @@ class LayerStreamer:
         return self._pending is not None and not self._pending.future.done()
 
     def _wait_copies(self, fetched: Fetched) -> None:
-        """On CUDA: the current stream waits for the copies made on the side stream, which then belong to it."""
-        if fetched.event is None:
-            return
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(fetched.event)
-        for t in fetched.flat():
-            t.record_stream(current)
+        """The calling thread's work on the fetched tensors starts after their copies (on CUDA: its stream waits for
+        the side stream's event, and the tensors are recorded on it)."""
+        if self.engine is not None:
+            self.engine.hand_over(fetched.flat(), fetched.fence)
 
     # ---- threads and accounting
 
@@ -395,3 +396,13 @@ def _after(ref: weakref.ref[LayerStreamer], name: str) -> Callable[..., None]:
         if streamer is not None:
             streamer.after(name)
     return hook
+
+
+def _shutdown(source: Source, engine: CopyEngine | None) -> None:
+    """The streamer closed, or its model dropped: the source lets go of what it holds (its reading thread, the file),
+    then the copy engine (every copy done first)."""
+    try:
+        source.shutdown()
+    finally:
+        if engine is not None:
+            engine.close()

@@ -153,3 +153,29 @@ def test_on_nccl_the_agreement_runs_on_this_rank_s_gpu(run_ranks):
         assert result.values["backend"] == "nccl" and result.values["device"] == f"cuda:{result.rank}"
         assert result.values["shared"] == list(range(world))
         assert "Rank 0 of" in result.values["error"] and "rank 0's own" in result.values["error"]
+
+
+NO_SET_DEVICE = """
+dist.init_process_group("nccl")  # no set_device, no device_id: a torchrun script as often written; LOCAL_RANK is set
+from lightning_lowmem.engine.collectives import collective_device
+from lightning_lowmem.engine.ranks import agreement, check_peers, from_first_rank
+
+emit(current=torch.cuda.current_device(), device=str(collective_device()))
+with agreement(True, share=True) as agreed:
+    check_peers()
+    agreed.share = from_first_rank(lambda: {"made on": rank})
+emit(shared=agreed.shared)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_on_nccl_without_set_device_each_rank_uses_its_own_gpu(run_ranks):
+    """Two ranks that never call ``torch.cuda.set_device``: their current device is cuda:0 on both, and the library's
+    collectives go to cuda:LOCAL_RANK (taking the current device put both ranks' NCCL tensors on one GPU)."""
+    ranks = run_ranks(NO_SET_DEVICE, {}, world=2, init=False, timeout=300)
+    for result in ranks:
+        assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
+        assert result.values["current"] == 0 and result.values["device"] == f"cuda:{result.rank}"
+        assert result.values["shared"] == [{"made on": 0}, {"made on": 0}]

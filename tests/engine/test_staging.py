@@ -16,11 +16,11 @@ import weakref
 import pytest
 import torch
 
-import lightning_lowmem.engine.copies as copies
+import lightning_lowmem.transfer.copies as copies
 import lightning_lowmem.engine.staging as staging
 from lightning_lowmem import CheckpointFormatError, load_checkpoint
-from lightning_lowmem.engine.copies import ThreadCopies
-from lightning_lowmem.engine.ring import Ring
+from lightning_lowmem.transfer.copies import ThreadCopies
+from lightning_lowmem.transfer.ring import Ring
 from lightning_lowmem.quantize import schemes_available_on
 
 ON_CPU = schemes_available_on(torch.device("cpu"))
@@ -265,13 +265,11 @@ def todays_path(monkeypatch):
 
 
 def _pinned_bytes() -> tuple[int, int]:
-    """Pinned host bytes handed out (``active_bytes``), and held by torch's host allocator, cached ones included
-    (``allocated_bytes``: given back by ``copies.release_pinned_cache`` where the torch build can)."""
-    stats = torch.cuda.host_memory_stats()
-    held = stats.get("allocated_bytes.current", 0)
-    if not any(callable(getattr(torch._C, n, None)) for n in ("_host_emptyCache", "_accelerator_emptyHostCache")):
-        held = 0  # this torch cannot give cached pinned memory back: only what is handed out is checked
-    return stats.get("active_bytes.current", 0), held
+    """Pinned host bytes held by torch's caching host allocator (cached ones included: ``allocated_bytes``), and
+    pinned by the library's pools (``transfer.pinned``): the library pins through its pools only."""
+    from lightning_lowmem.transfer import pinned
+
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0), pinned.registered_nbytes()
 
 
 @pytest.mark.cuda
@@ -284,11 +282,10 @@ def test_cuda_device_path_gives_todays_bytes_and_logits(tmp_path, monkeypatch, t
                                                          dtype):
     monkeypatch.setattr(staging, "SLOT_BYTES", 4096)  # every tensor in pieces
     path = write_checkpoint(tiny_gpt(quant_config, stored).state_dict(), kind, tmp_path)
-    pinned = _pinned_bytes()
+    before = _pinned_bytes()
     model = meta_gpt(quant_config)
     load_checkpoint(model, path, dtype=dtype, device="cuda")
-    active, held = _pinned_bytes()
-    assert active == pinned[0] and held <= pinned[1] and not _lowmem_threads()  # the ring went with the load
+    assert _pinned_bytes() == before and not _lowmem_threads()  # the ring went with the load, unpinned
     todays_path()
     ref = meta_gpt(quant_config)
     load_checkpoint(ref, path, dtype=dtype, device="cuda")
@@ -318,8 +315,9 @@ def test_cuda_weights_quantized_whole_on_the_device_are_todays_bytes(todays_path
 @pytest.mark.parametrize("scheme", [None, "bnb.nf4"])
 def test_cuda_peak_is_the_model_and_the_largest_tensor(tmp_path, tiny_config, tiny_gpt, meta_gpt, write_checkpoint,
                                                         scheme):
-    """GPU peak during the load <= the final model + its largest tensor + 64 MiB (a model large enough that reading
-    ahead would pass that: 6 layers of 1024 dims, 12 MiB MLP weights in bf16)."""
+    """GPU peak during the load, as the caching allocator reserved it, <= the final model + its largest tensor +
+    64 MiB (a model large enough that reading ahead would pass that: 6 layers of 1024 dims, 12 MiB MLP weights in
+    bf16)."""
     from lightning_lowmem.quantize import module_nbytes
 
     config = tiny_config("gqa", n_layer=6, n_embd=1024, n_head=8, intermediate_size=2816, vocab_size=4096,
@@ -327,11 +325,12 @@ def test_cuda_peak_is_the_model_and_the_largest_tensor(tmp_path, tiny_config, ti
     path = write_checkpoint(tiny_gpt(config, torch.bfloat16).state_dict(), "safetensors", tmp_path)
     model = meta_gpt(config)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_reserved()
     load_checkpoint(model, path, dtype=torch.bfloat16, device="cuda", quantize=scheme)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    peak = torch.cuda.max_memory_reserved() - before  # what the allocator took from the GPU, not only what it handed out
     largest = max(t.numel() * t.element_size() for t in tiny_gpt(config, torch.bfloat16).state_dict().values())
     assert peak <= module_nbytes(model) + largest + 64 * 2**20, (peak, module_nbytes(model), largest)
 
@@ -346,13 +345,12 @@ def test_cuda_a_read_failing_mid_ring_leaves_no_thread_and_no_pinned_memory(tmp_
     path = write_checkpoint(tiny_gpt(quant_config, torch.bfloat16).state_dict(), "safetensors", tmp_path)
     read_recorder.before_rows = lambda key, start, stop: (
         os.truncate(path, os.path.getsize(path) // 2) if key.endswith("h.1.mlp.fc.weight") and start else None)
-    pinned = _pinned_bytes()
+    before = _pinned_bytes()
     model = meta_gpt(quant_config)
     with pytest.raises(CheckpointFormatError, match=r"model\.safetensors"):
         load_checkpoint(model, path, dtype=torch.bfloat16, device="cuda")
     assert all(p.is_meta for p in model.parameters())
-    active, held = _pinned_bytes()
-    assert active == pinned[0] and held <= pinned[1] and not _lowmem_threads()
+    assert _pinned_bytes() == before and not _lowmem_threads()
 
 
 @pytest.mark.cuda
@@ -368,3 +366,45 @@ def test_cuda_pinned_memory_refused_falls_back(monkeypatch, todays_path, quant_c
     todays_path()
     ref, _ = quant_load(quant_checkpoint, device="cuda")
     _assert_identical(model, ref)
+
+
+class DelayedCopies(copies.CudaCopies):
+    """A side stream that sleeps before each copy (~1 ms of GPU time): a buffer reused, or a tensor used, before its
+    copy is done would show as other bytes."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(1_000_000)
+        return super().copy(dst, src)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("scheme", [None, "bnb.nf4", "bnb.int8"])
+def test_cuda_a_delayed_side_stream_with_reused_buffers_gives_todays_bytes(monkeypatch, todays_path, quant_checkpoint,
+                                                                           quant_load, assert_same_weights, scheme):
+    """Every piece through a ring of 4 KiB buffers, each copy held back on the side stream: the ring hands a buffer
+    out again only after its copy (a blocking event), and the load's stream waits for each tensor's last copy before
+    it quantizes or installs it."""
+    monkeypatch.setattr(staging, "SLOT_BYTES", 4096)
+    monkeypatch.setitem(copies.ENGINES, "cuda", DelayedCopies)
+    model, _ = quant_load(quant_checkpoint, quantize=scheme, device="cuda")
+    todays_path()
+    ref, _ = quant_load(quant_checkpoint, quantize=scheme, device="cuda")
+    if scheme is None:
+        _assert_identical(model, ref)
+    else:
+        assert_same_weights(model, ref)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_a_load_leaves_other_users_cached_pinned_memory_alone(quant_checkpoint, quant_load):
+    """A DataLoader's pinned batch, freed into torch's pinned cache before the load, is still cached after it: the
+    load pins through its own pool and empties no process-wide cache."""
+    batch = torch.empty(8 * 2**20, dtype=torch.uint8, pin_memory=True)
+    del batch  # cached by torch's host allocator, for the next pinned allocation of its user
+    cached = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    assert cached >= 8 * 2**20
+    quant_load(quant_checkpoint, device="cuda")
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == cached

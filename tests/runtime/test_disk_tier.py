@@ -392,7 +392,7 @@ def test_a_tied_embedding_on_disk_is_read_once_per_forward(tmp_path, write_hf_di
     expected = forward_logits(hf)
     on_disk = {t.record.key: t.record.nbytes for unit in tier.units.values() for t in unit.targets}
     assert tier.read_nbytes == placement.disk_read_bytes == sum(on_disk.values())
-    assert tier.buffer_bytes == pytest.approx(placement.disk_buffer_bytes, abs=64 * len(on_disk))
+    assert tier.buffer_bytes == placement.disk_buffer_bytes  # the blocks the placement counted, to the byte
     torch.testing.assert_close(forward_logits(model), expected, rtol=0, atol=0)  # the first forward learns the order
     for _ in range(2):
         read_ahead_done(tier)

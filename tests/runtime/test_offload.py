@@ -24,7 +24,8 @@ from lightning_lowmem import (
     sequential_offload,
 )
 from lightning_lowmem.runtime import offloaded
-from lightning_lowmem.quantize import module_nbytes, tensor_nbytes
+from lightning_lowmem.quantize import module_nbytes
+from lightning_lowmem.transfer import block_nbytes, lay_out
 
 
 @pytest.fixture
@@ -108,8 +109,8 @@ def test_sequential_offload_of_a_text_encoder_equals_resident():
         expected = reference(prompt, latents)
     seen: list[dict[str, int]] = []
     watch_forward(pipe.text_encoder, seen)
-    masters = storage_ptrs(pipe.text_encoder)
     handle = sequential_offload(pipe.text_encoder, "cpu")
+    masters = storage_ptrs(pipe.text_encoder)  # the masters, in the block of host memory the offload keeps them in
     with torch.no_grad():
         out = pipe(prompt, latents)
     assert torch.equal(out, expected)
@@ -132,14 +133,17 @@ def test_offloaded_bytes_of_a_quantized_module_are_what_it_holds(tmp_path, schem
     x = torch.randn(2, 512, dtype=torch.bfloat16)
     with torch.no_grad():
         expected = model(x)
+    held = module_nbytes(model)  # its inner tensors, each once (an int8 weight's codes are its CB)
     handle = sequential_offload(model, "cpu")
     with torch.no_grad():
         out = model(x)
     assert torch.equal(out, expected)
-    held = sum(tensor_nbytes(master) for master in handle.weights[""].masters)
     assert handle.offloaded_bytes == held == handle.stats.max_resident_bytes
     if scheme.startswith("torchao"):
-        assert handle.offloaded_bytes == module_nbytes(model) == 512 * 512 + 5 * 512 + 2 * 512
+        assert held == 512 * 512 + 5 * 512 + 2 * 512
+    # the masters' host memory: one block, each part 64-byte aligned, whole pages
+    parts = [p for entry in handle.weights[""].entries for p in entry.parts.values()]
+    assert handle.pinned_bytes == block_nbytes(lay_out(p.nbytes for p in parts)[1]) >= held
 
 
 def test_dispatch_offloads_exactly_the_layers_the_plan_put_on_the_cpu(gpt):

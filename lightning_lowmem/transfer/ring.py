@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-from lightning_lowmem.engine.copies import CopyEngine, Fence
+from lightning_lowmem.transfer.copies import CopyEngine, Fence
 
 SLOT_BYTES = 32 * 2**20
 """The most bytes a ring buffer holds (a tensor's piece is read into one of them): reads of 32 MiB keep a disk's
@@ -35,7 +35,7 @@ class Ring:
     back with the fence of the copy made from it, to be handed out again only once that copy is done.
 
     Raises:
-        RuntimeError: the engine cannot give the buffers (pinned memory refused); none is kept.
+        RuntimeError: the engine cannot give the buffers (host memory refused); none is kept.
     """
 
     def __init__(self, engine: CopyEngine, count: int, nbytes: int) -> None:

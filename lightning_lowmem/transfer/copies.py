@@ -1,19 +1,24 @@
-"""Copy engines: how the device path's host buffers reach the device, asynchronously and in the order issued.
+"""Copy engines: how host memory reaches a device, asynchronously and in the order issued. One convention for the
+load's device path (``engine/staging.py``) and the runtime's layers off the device (``runtime/streamer.py``):
 
 ::
 
-    CopyEngine       what the ring (``ring.py``) and the staged reads (``staging.py``) work over
-        .host_buffer(n)        a host buffer of n bytes (pinned for CUDA; raises where it cannot be had)
-        .empty(shape, dtype)   memory on the device for a tensor the copies fill
+    CopyEngine       what the ring (``ring.py``), the staged reads and the layer streamer work over
+        .pool                  the host memory copies are made from (``pinned.py``: pinned for CUDA)
+        .host_buffer(n)        a block of n bytes from the pool
+        .empty(shape, dtype)   memory on the device for a tensor the copies fill, allocated where the copy runs
         .copy(dst, src)        dst <- src, asynchronous; returns a Fence marking its end
-        .hand_over(t, fence)   the caller's work on t starts after the fence (the consumer side)
+        .hand_over(ts, fence)  the calling thread's work on ts starts after the fence (the consumer side)
         .synchronize()         every copy issued so far is done
-    CudaCopies       a CUDA device: ``pin_memory`` host buffers, ``non_blocking`` copies on a side stream
-                     (``torch.cuda.Stream``), a ``torch.cuda.Event`` per copy that the consumer's stream waits on;
-                     ``record_stream`` keeps the allocator from reusing a destination while a copy into it runs
+    CudaCopies       a CUDA device: copies on a side stream of their own (``torch.cuda.Stream``), into memory allocated
+                     for that stream; a fence is a ``torch.cuda.Event`` that blocks the host thread waiting on it (no
+                     core spinning); the consumer's stream waits for it on the device (``wait_event``), and
+                     ``record_stream`` tells the allocator that the consumer uses the tensors: no host wait on either
+                     side, and nothing the copies issue waits for the consumer's queued work
     ThreadCopies     the CPU: one thread runs the copies in the order issued, fences are ``threading.Event`` s. The
-                     ring's logic (buffer reuse, order, errors, clean-up) runs on a machine without a GPU through it,
-                     for real; only which memory and which queue differ
+                     ring's and the streamer's logic (buffer reuse, order, errors, clean-up) runs on a machine without a
+                     GPU through it, for real; only which memory and which queue differ
+    InlineCopies     the CPU where nothing is asynchronous: each copy made at once (layers offloaded to the CPU itself)
 
 :data:`ENGINES` ties a device type to its engine; :func:`engine_for` makes one (None: the device has no device path,
 and the load reads as it always did).
@@ -21,14 +26,13 @@ and the load reads as it always did).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
-log = logging.getLogger(__name__)
+from lightning_lowmem.transfer.pinned import HostPool
 
 
 class Fence:
@@ -41,17 +45,24 @@ class Fence:
 
 
 class CopyEngine:
-    """Copies from host buffers to one device, asynchronous, run in the order they are issued."""
+    """Copies from host memory to one device, asynchronous, run in the order they are issued.
+
+    Attributes:
+        device: the device copied to.
+        pool: the host memory its buffers come from (pinned for CUDA), given back at :meth:`close`.
+    """
 
     device: torch.device
+    pool: HostPool
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of ``nbytes`` (uint8) that copies can be made from while the caller reads the next one.
+        """A host buffer of ``nbytes`` (uint8) that copies can be made from while the caller reads the next one: a
+        block of :attr:`pool` (whole pages, pinned for CUDA).
 
         Raises:
-            RuntimeError: the memory cannot be had (a CUDA engine: pinned memory refused).
+            RuntimeError: the memory cannot be had.
         """
-        raise NotImplementedError
+        return self.pool.block(nbytes)[:nbytes]
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Memory on the device for a tensor that copies will fill (uninitialised)."""
@@ -62,11 +73,11 @@ class CopyEngine:
         differs is converted on the device); ``src`` must not be written before the returned fence is done."""
         raise NotImplementedError
 
-    def hand_over(self, tensor: torch.Tensor, fence: Fence | None) -> None:
-        """Let the calling thread's work on ``tensor`` start only after ``fence`` (the last copy into it).
+    def hand_over(self, tensors: Iterable[torch.Tensor], fence: Fence | None) -> None:
+        """Let the calling thread's work on ``tensors`` start only after ``fence`` (the last copy into them).
 
         Raises:
-            BaseException: the error a copy into it raised.
+            BaseException: the error a copy into them raised.
         """
         raise NotImplementedError
 
@@ -75,7 +86,10 @@ class CopyEngine:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Stop the engine, after :meth:`synchronize`; what it handed out may be freed after this."""
+        """Stop the engine, after :meth:`synchronize`, and give its pool's memory back; what it handed out may be
+        freed after this."""
+        self.synchronize()
+        self.pool.close()
 
 
 # ---------------------------------------------------------------- CUDA
@@ -85,66 +99,49 @@ class _EventFence(Fence):
         self.event = event
 
     def wait(self) -> None:
-        self.event.synchronize()
+        self.event.synchronize()  # a blocking event: the thread sleeps until the copy is done
 
 
 class CudaCopies(CopyEngine):
-    """A CUDA device: pinned host buffers, copies on a side stream of their own.
+    """A CUDA device: pinned host blocks, copies on a side stream of their own.
 
-    Device memory is allocated for the stream of the thread that made the engine (the consumer: the load's
-    loop), so that the caching allocator reuses it for that stream's work as usual, and the side stream first waits
-    for the work already queued there (a block freed by the consumer may still be read by a kernel queued before
-    its free). Each copy's destination is recorded on the side stream (``record_stream``: freed early, on an error,
-    it is not reused before the copy ends), and :meth:`hand_over` makes the consumer's stream wait for the copy's
-    event: no host synchronization on the consumer's side.
+    The one stream convention: a destination is allocated for the side stream (``empty``, on the thread that issues
+    its copy), so the caching allocator hands it out only once the side stream may write it, and the copy never
+    waits for the consumer's queued work (quantization kernels, a forward); :meth:`hand_over` makes the consumer's
+    current stream wait for the copy's event on the device and records the tensors on that stream
+    (``record_stream``), so that freeing them there does not let the side stream reuse them early. Events are made
+    with ``blocking=True``: a thread waiting for one (a ring buffer's reuse, :meth:`synchronize`) sleeps instead of
+    spinning a core.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.consumer = torch.cuda.current_stream(device)
         self.stream = torch.cuda.Stream(device)
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.pool = HostPool(device, pin=True)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        with torch.cuda.stream(self.consumer):
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-        self.stream.wait_stream(self.consumer)
-        return tensor
+        with torch.cuda.stream(self.stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Fence:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
-            dst.record_stream(self.stream)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return _EventFence(event)
 
-    def hand_over(self, tensor: torch.Tensor, fence: Fence | None) -> None:
+    def hand_over(self, tensors: Iterable[torch.Tensor], fence: Fence | None) -> None:
+        consumer = torch.cuda.current_stream(self.device)
         if isinstance(fence, _EventFence):
-            self.consumer.wait_event(fence.event)
+            consumer.wait_event(fence.event)
+        for tensor in tensors:
+            if tensor.device.type == "cuda":
+                tensor.record_stream(consumer)
 
     def synchronize(self) -> None:
-        self.stream.synchronize()
-
-    def close(self) -> None:
-        self.synchronize()
-        release_pinned_cache()
-
-
-def release_pinned_cache() -> None:
-    """Give the pinned host memory torch's caching host allocator keeps after its tensors are freed back to the
-    system (the ring's buffers, once the load ends): nothing pinned stays behind a load. A torch without a way to
-    do so keeps it for its next pinned allocation."""
-    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
-        empty = getattr(torch._C, name, None)
-        if callable(empty):
-            try:
-                empty()
-            except RuntimeError as e:  # a build whose host allocator is not CUDA's: nothing cached there
-                log.debug("emptying the pinned host cache: %s", e)
-            return
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        event.synchronize()
 
 
 # ---------------------------------------------------------------- CPU
@@ -168,13 +165,11 @@ class ThreadCopies(CopyEngine):
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        self.pool = HostPool(self.device, pin=False)
         self._queue: queue.SimpleQueue[tuple[torch.Tensor | None, torch.Tensor | None, _ThreadFence] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None  # the first copy that failed
         self._thread = threading.Thread(target=self._serve, name="lowmem-copies", daemon=True)
         self._thread.start()
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -202,9 +197,9 @@ class ThreadCopies(CopyEngine):
                 del task, dst, src  # nothing of a copy is held while the thread waits for the next
                 fence.done.set()
 
-    def hand_over(self, tensor: torch.Tensor, fence: Fence | None) -> None:
+    def hand_over(self, tensors: Iterable[torch.Tensor], fence: Fence | None) -> None:
         if fence is not None:
-            fence.wait()  # the last copy into it, after every earlier one (they run in order)
+            fence.wait()  # the last copy into them, after every earlier one (they run in order)
         if self._error is not None:
             raise self._error
 
@@ -218,6 +213,29 @@ class ThreadCopies(CopyEngine):
         self.synchronize()
         self._queue.put(None)
         self._thread.join()
+        self.pool.close()
+
+
+class InlineCopies(CopyEngine):
+    """The CPU where nothing is asynchronous: each copy made at once, in the calling thread (layers offloaded to the
+    CPU that computes them: the masters copied for each forward, as onto a device)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.pool = HostPool(self.device, pin=False)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Fence | None:
+        dst.copy_(src)
+        return None
+
+    def hand_over(self, tensors: Iterable[torch.Tensor], fence: Fence | None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
 
 
 ENGINES: dict[str, Callable[[torch.device], CopyEngine]] = {"cuda": CudaCopies}
@@ -229,3 +247,9 @@ def engine_for(device: torch.device) -> CopyEngine | None:
     """The copy engine of ``device``'s type (:data:`ENGINES`), or None."""
     make = ENGINES.get(device.type)
     return make(device) if make is not None else None
+
+
+def runtime_engine(device: torch.device) -> CopyEngine:
+    """The engine the runtime copies layers to ``device`` through: its device type's (:data:`ENGINES`), else copies
+    made at once (:class:`InlineCopies`)."""
+    return engine_for(device) or InlineCopies(device)
