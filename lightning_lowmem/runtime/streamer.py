@@ -34,7 +34,6 @@ goes, a finalizer closes the source (its reading thread and the file).
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -49,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_lowmem.quantize import tensor_nbytes
 from lightning_lowmem.runtime.guard import guard, unguard
+from lightning_lowmem.runtime.one_forward import OneForward
 from lightning_lowmem.runtime.source import Fetched, Source
 from lightning_lowmem.threads import OwnThreads, own_threads
 from lightning_lowmem.transfer import CopyEngine, engine_for
@@ -117,9 +117,7 @@ class LayerStreamer:
         self._pending: _Pending | None = None
         self._broken: BaseException | None = None
         self._forward = False  # the root's forward is running
-        self._entry = threading.Lock()  # held only to check and set the thread below
-        self._thread: threading.Thread | None = None  # the thread running a forward through the modules
-        self._depth = 0  # the root's forwards it runs, one inside the other
+        self._one = OneForward()  # one forward at a time (one_forward.py)
         self._lowered: OwnThreads | None = None
         self._spare_core = source.background and self.device.type == "cpu"
         usable = self.device.type != "cuda" or torch.cuda.is_available()
@@ -178,7 +176,7 @@ class LayerStreamer:
             RuntimeError: a forward runs on another thread (nothing of it was touched).
         """
         self._enter("the model")
-        self._depth += 1
+        self._one.depth += 1
         self._forward = True
         if not self.source.cyclic:
             self._prev = None  # a cyclic source learns the step from one forward's last module to the next's first
@@ -235,32 +233,14 @@ class LayerStreamer:
         if fetched is not None:
             self.source.release(name, fetched)
         self._account()
-        if not self._depth and not self._active:
+        if not self._one.depth and not self._active:
             self._leave()  # a module run on its own, not through the root's forward
 
-    # ---- one forward at a time
-
     def _enter(self, what: str) -> None:
-        """This thread runs the forward: refused while another thread runs one (a module run on its own included)."""
-        me = threading.current_thread()
-        with self._entry:
-            running = self._thread
-            if running is not None and running is not me and running.is_alive():
-                raise RuntimeError(
-                    f"A forward of {what} was started on thread {me.name!r} while thread {running.name!r} runs one. "
-                    f"This model's {self.streaming}, into buffers and modules that one forward uses at a time: "
-                    "it runs one forward at a time. Run the forwards one after another "
-                    "(hold a threading.Lock around each call), or load one model per thread.")
-            self._thread = me
+        self._one.enter(what, self.streaming)
 
     def _leave(self) -> None:
-        """The end of this thread's forward (of the root's outermost one)."""
-        with self._entry:
-            if self._thread is not threading.current_thread():
-                return
-            self._depth = max(self._depth - 1, 0)
-            if not self._depth:
-                self._thread = None
+        self._one.leave()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
