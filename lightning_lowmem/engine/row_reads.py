@@ -1,5 +1,8 @@
 """A tensor read a block of rows at a time: rewritten by the load's transform on its own rows, cast, and stored.
 
+A float32 tensor loaded in bf16 and read whole is held as read beside its cast copy, three times its bf16 bytes (pi0's
+257,152-row embedding set the peak of such a load); read here a block of rows at a time, one block is in float32.
+
 A tensor stored block-quantized (a GGUF ``Q4_0`` weight) is dequantized as it is read, to float32:
 read whole, it is twice its bf16 size before the cast (GGUF's token embedding of a 128k
 vocabulary at 4096 dims: 2 GiB, for a 1 GiB bf16 tensor). Read here a block of rows at a time
@@ -27,7 +30,7 @@ from lightning_lowmem.plan import Target
 from lightning_lowmem.plan.conversions import Transform
 from lightning_lowmem.plan.transform import row_block
 from lightning_lowmem.quantize.quantizer import TRIM_AT
-from lightning_lowmem.quantize.rows import rows_per_chunk
+from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS, rows_per_chunk
 
 CAST_PIECE = 1 << 14
 """Elements cast at once on the CPU: fewer than torch's parallel grain (32768), so each cast runs on the calling
@@ -45,14 +48,18 @@ def reads_by_rows(target: Target, transform: Transform | None, reads_rows: bool)
 
 
 def built_by_rows(target: Target, transform: Transform | None, reads_rows: bool) -> bool:
-    """Whether ``target`` is built a block of rows at a time (:func:`read_built`): stored block-quantized, 2-d or
-    more, kept unquantized and whole on this rank, and cast, moved or rewritten on its way (read as it is kept, a
-    whole read is already dequantized straight into the final tensor)."""
+    """Whether ``target`` is built a block of rows at a time (:func:`read_built`): 2-d or more, kept unquantized and
+    whole on this rank, and either stored block-quantized and cast, moved or rewritten on its way (read as it is
+    kept, a whole read is already dequantized straight into the final tensor), or stored plain, cast on its way
+    and larger than one block (a float32 embedding loaded in bf16: whole, it would be read beside its cast copy)."""
     rec = target.record
-    if rec.encoding is None or len(rec.shape) < 2 or target.scheme is not None or target.shard is not None:
+    if len(rec.shape) < 2 or target.scheme is not None or target.shard is not None or target.stored is not None:
         return False
-    changed = target.dtype != rec.dtype or target.device.type != "cpu" or bool(row_block(transform, target.names[0]))
-    return changed and target.stored is None and reads_by_rows(target, transform, reads_rows)
+    if rec.encoding is None:
+        changed = target.dtype != rec.dtype and rec.numel > CHUNK_ELEMENTS
+    else:
+        changed = target.dtype != rec.dtype or target.device.type != "cpu" or bool(row_block(transform, target.names[0]))
+    return changed and reads_by_rows(target, transform, reads_rows)
 
 
 def block_rows(target: Target, transform: Transform | None) -> int:

@@ -92,3 +92,26 @@ def test_weights_stored_quantized_are_read_as_stored(hf_prequantized, meta_hf_mo
     routes, _ = _routes(meta_hf_model(directory), directory, LoadOptions())
     q_proj = routes["model.layers.0.self_attn.q_proj.weight"]
     assert q_proj.kind == "stored" and q_proj.transient == 0  # on CPU the parts read are the final tensors
+
+
+def test_a_tensor_cast_on_its_way_is_built_a_block_of_rows_at_a_time(tmp_path):
+    """A float32 tensor loaded in bf16, larger than a block: cast a block of rows at a time into the final tensor,
+    never whole in float32 beside its cast copy; a smaller one is read whole; the values are the eager cast's."""
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from lightning_lowmem import init_empty
+    from lightning_lowmem.quantize.rows import CHUNK_ELEMENTS
+
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Embedding(4 * CHUNK_ELEMENTS // 64, 64), nn.Linear(64, 64))
+    save_file(source.state_dict(), tmp_path / "fp32.safetensors")
+    with init_empty():
+        model = nn.Sequential(nn.Embedding(4 * CHUNK_ELEMENTS // 64, 64), nn.Linear(64, 64))
+    routes, estimate = _routes(model, tmp_path / "fp32.safetensors", LoadOptions(dtype=torch.bfloat16))
+    embedding = routes["0.weight"]
+    assert embedding.kind == "built rows" and routes["1.weight"].kind == "whole"
+    assert embedding.transient == CHUNK_ELEMENTS * 4  # one block as read (float32), not the whole tensor
+    load_checkpoint(model, tmp_path / "fp32.safetensors", dtype=torch.bfloat16, progress=False)
+    assert torch.equal(model[0].weight, source[0].weight.to(torch.bfloat16))
+    assert model[0].weight.dtype == torch.bfloat16
