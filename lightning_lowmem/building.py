@@ -9,10 +9,12 @@ What a constructor does to its tensors works as it does eagerly:
 
 * ``.to(dtype, device="cpu")``, ``.cpu()``, ``.cuda()``, ``module.to(...)`` on a meta tensor: the dtype changes, the
   tensor stays on meta (torch itself raises "Cannot copy out of meta tensor"); real buffers move and cast as asked;
-* ``.half()``, ``.bfloat16()``, ``.float()``, ``requires_grad_``, ``nn.init.*``: as torch does them on meta;
-* a floating buffer cast to a narrower dtype (float32 -> bfloat16) remembers what it was cast from, so that a load
-  that falls back from bf16 to fp16 (a device without bf16) casts it once from the constructor's own values, as the
-  same constructor run with fp16 gives it, instead of rounding it twice (:func:`cast_buffer`);
+* ``.half()``, ``.bfloat16()``, ``.float()``, ``requires_grad_``, ``nn.init.*``: as torch does them on meta (a random
+  fill of a meta tensor skipped: it has no values to fill);
+* a floating buffer cast to bf16 remembers what it was cast from, so that a load that falls back from bf16 to fp16
+  (a device without bf16) casts it once from the constructor's own values, as the same constructor run with fp16
+  gives it, instead of rounding it twice, and a model family that computes it wider gets it exact
+  (:func:`cast_buffer`); a load that needs neither drops them before it reads;
 * a library's ``from_pretrained`` called inside the block (a wrapper whose constructor loads its parts) reads no
   weights: hooks registered by the library faces (:func:`register_building_hook`; transformers' in
   ``transformers/deferred.py``) build the part on meta from its config, to be filled by a load.
@@ -21,7 +23,7 @@ What a constructor does to its tensors works as it does eagerly:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import torch
@@ -39,6 +41,11 @@ SOURCE = "_lowmem_pretrained_source"
 its weights are to be read from (:func:`deferred_parts`)."""
 
 _MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+_FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.log_normal_, torch.Tensor.exponential_,
+          torch.Tensor.cauchy_, torch.Tensor.geometric_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+          *(getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_") and not name.startswith("_"))}
+"""Fills (``nn.init.*``, random draws): on a meta tensor they change nothing, but torch's meta ``normal_`` imports
+``torch._dynamo`` (73 MiB and a second, once per process, measured on the 2-core machine)."""
 _CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float, torch.Tensor.double,
           torch.Tensor.type, torch.Tensor.type_as}
 _HOOKS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
@@ -95,8 +102,12 @@ class _AsConstructed(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in _FILLS and source is None:  # nn.init's functions hand their tensor over by name
+            source = kwargs.get("tensor")
         if source is not None and source.is_meta and func in _MOVES:
             return _stay_on_meta(func, source, args[1:], kwargs)
+        if source is not None and source.is_meta and func in _FILLS:
+            return source  # nothing to fill (nn.init.normal_ of a parameter on meta)
         out = func(*args, **kwargs)
         if source is not None and func in _CASTS and isinstance(out, torch.Tensor):
             _remember_origin(source, out)
@@ -113,18 +124,21 @@ def _stay_on_meta(func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) ->
 
 
 def _remember_origin(source: torch.Tensor, out: torch.Tensor) -> None:
-    if out is source or out.is_meta or not (source.is_floating_point() and out.is_floating_point()):
+    """A cast to bf16 of a wider floating tensor: ``out`` remembers the widest tensor of its chain of casts."""
+    if out.dtype != torch.bfloat16 or out is source or out.is_meta or not source.is_floating_point():
         return
     origin = getattr(source, ORIGIN, source)
     if origin.dtype.itemsize > out.dtype.itemsize:
         setattr(out, ORIGIN, origin)
 
 
-def cast_buffer(buffer: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+def cast_buffer(buffer: torch.Tensor, device: torch.device | str, dtype: torch.dtype,
+                computed: bool = False) -> torch.Tensor:
     """``buffer.to(device, dtype)``, bf16 becoming fp16 on a device without bf16
-    (:func:`~lightning_lowmem.dtypes.fallback_dtype`). Then a buffer its constructor cast to bf16 inside
-    :func:`init_empty` is cast from the constructor's own values: rounded once, as the same constructor run with
-    fp16 gives it, not rounded to bf16 and then to fp16.
+    (:func:`~lightning_lowmem.dtypes.fallback_dtype`). A buffer its constructor cast to bf16 inside :func:`init_empty`
+    is cast from the constructor's own values instead, rounded once: under that fallback (as the same constructor run
+    with fp16 gives it), and, with ``computed``, when ``dtype`` is wider than bf16 (a model family whose own loader
+    computes the buffer in ``dtype``: transformers' RoPE ``inv_freq`` in float32).
 
     Example::
 
@@ -137,17 +151,27 @@ def cast_buffer(buffer: torch.Tensor, device: torch.device | str, dtype: torch.d
     """
     cast = fallback_dtype(dtype, device, warn=False)  # the loaded tensors' fallback warned
     origin = getattr(buffer, ORIGIN, None)
-    source = origin if origin is not None and cast != dtype else buffer
+    wider = computed and cast.itemsize > buffer.dtype.itemsize
+    source = origin if origin is not None and (cast != dtype or wider) else buffer
     return source.to(device=device, dtype=cast)
+
+
+def forget_origins(module: nn.Module, keep: Container[str] = ()) -> None:
+    """Drop what the buffers of ``module`` (but those named in ``keep``) remember of their constructor's values
+    (:func:`cast_buffer`), from a view's base too: a load that will not use them need not hold the wider copies."""
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if name in keep:
+            continue
+        for tensor in (buffer, buffer._base):
+            if tensor is not None and hasattr(tensor, ORIGIN):
+                delattr(tensor, ORIGIN)
 
 
 def after_fill(module: nn.Module) -> None:
     """What ``module``'s construction left for a load, dropped once a load filled it: what its buffers remember of
-    their constructor's values (:func:`cast_buffer`; the wider copies would only hold memory), and the path of each
-    deferred part (:func:`deferred_parts`) that holds no meta tensor any more."""
-    for buffer in module.buffers():
-        if hasattr(buffer, ORIGIN):
-            delattr(buffer, ORIGIN)
+    their constructor's values (:func:`forget_origins`), and the path of each deferred part (:func:`deferred_parts`)
+    that holds no meta tensor any more."""
+    forget_origins(module)
     for name in deferred_parts(module):
         part = module.get_submodule(name)
         if not any(t.is_meta for t in [*part.parameters(), *part.buffers()]):

@@ -166,3 +166,48 @@ def test_a_failed_load_keeps_what_the_fallback_needs(saved, tmp_path):
         warnings.simplefilter("ignore")
         load_checkpoint(model, saved, progress=False)
     assert_same(model, eager(torch.float16, saved))
+
+
+def test_building_on_meta_fills_nothing(child_env):
+    """nn.init on a meta parameter has nothing to fill: skipped, so torch's meta normal_ does not import torch._dynamo
+    (73 MiB and a second per process). Real buffers are still filled as the constructor asks."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, resource, sys, torch
+        from torch import nn
+        from lightning_lowmem import init_empty
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with init_empty():
+            embedding = nn.Embedding(257152, 256)
+            linear = nn.Linear(256, 256)
+            nn.init.trunc_normal_(linear.weight, std=0.02)
+            buffer = torch.zeros(4)
+            nn.init.normal_(buffer)
+        print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "meta": embedding.weight.is_meta,
+                          "filled": bool(buffer.abs().sum() > 0),
+                          "kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {**got, "dynamo": False, "meta": True, "filled": True} and got["kib"] < 16 * 1024, got
+
+
+def test_only_casts_to_bf16_remember_and_a_load_without_fallback_drops_them_before_reading(saved):
+    with init_empty():
+        wide = torch.arange(4, dtype=torch.float64) / 3
+        narrowed = wide.float()  # not to bf16: nothing to remember
+        model = Model(torch.bfloat16)
+    assert not hasattr(narrowed, ORIGIN) and hasattr(model.model.rope.cache, ORIGIN)
+    seen = []
+
+    def spy(name, tensor):
+        seen.append(hasattr(model.model.rope.cache, ORIGIN))
+        return tensor
+
+    load_checkpoint(model, saved, transform=spy, progress=False)
+    assert seen and not any(seen)  # gone before the first tensor was read: the device has bf16

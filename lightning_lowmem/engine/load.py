@@ -18,15 +18,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_lowmem.building import after_fill, cast_buffer
+from lightning_lowmem.building import after_fill, cast_buffer, forget_origins
 from lightning_lowmem.devices import check_device_available, cuda_or_none
+from lightning_lowmem.dtypes import supports_bf16
 from lightning_lowmem.engine.defaults import execution_device
 from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
 from lightning_lowmem.engine.options import LoadOptions
@@ -232,6 +233,8 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     module, plan, options, device = prepared.module, prepared.plan, prepared.options, prepared.device
     on_disk = {id(t) for t in on_disk_targets(prepared)}
     resident = dataclasses.replace(plan, targets=[t for t in plan.targets if id(t) not in on_disk]) if on_disk else plan
+    if supports_bf16(device):  # no fp16 fallback: only the buffers the family computes wider use their origins
+        forget_origins(module, keep=prepared.dtypes)
     architecture.before_load(module, device)  # e.g. litgpt's RoPE tables: sized when first used
     report.read_whole = whole_reads(plan, Traits.of(plan, ckpt, transform=prepared.transform))
     if report.read_whole:
@@ -243,7 +246,7 @@ def _fill(prepared: PreparedLoad, ckpt: Checkpoint, architecture: Architecture, 
     ckpt.check_unchanged()  # a file rewritten during the last read
     final = {name: prepared.dtype_of(name, b) for name, b in module.named_buffers(remove_duplicate=False)}
     report.recomputed = architecture.after_load(module, device, final)
-    _finish_buffers(module, options.device or (device if prepared.placement else None), final)
+    _finish_buffers(module, options.device or (device if prepared.placement else None), final, prepared.dtypes)
     report.bytes_loaded = module_nbytes(module)  # after buffers took their final dtype; the layers on disk hold none
     report.disk = open_disk_tier(prepared, ckpt)  # placeholders for the layers on disk
     try:
@@ -307,14 +310,16 @@ def _finish_report(report: LoadReport, monitor: MemoryMonitor) -> LoadReport:
     return report
 
 
-def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype]) -> None:
+def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapping[str, torch.dtype],
+                    computed: Container[str] = ()) -> None:
     """Buffers the checkpoint did not hold (RoPE, masks) go to ``device`` in the dtype ``dtypes`` gives them (the load's
     dtype, as ``model.to(device, dtype)`` would cast them, or the one the model family's own loader keeps). What the
     architecture released (litgpt's zero-row RoPE tables) is cast too: the tables built later take its dtype.
 
     bf16 becomes fp16 on a device without bf16, as the loaded tensors did
     (:func:`~lightning_lowmem.building.cast_buffer`: a buffer its constructor cast to bf16 inside ``init_empty()`` is
-    then cast once from the constructor's own values, as the same constructor run with fp16 gives it).
+    then cast once from the constructor's own values, as the same constructor run with fp16 gives it; so is one the
+    model family computes wider, named in ``computed``: transformers' RoPE ``inv_freq`` in float32).
     """
     for prefix, mod in module.named_modules():
         for name, buf in mod._buffers.items():
@@ -322,4 +327,4 @@ def _finish_buffers(module: nn.Module, device: torch.device | None, dtypes: Mapp
                 continue
             where = device or buf.device
             own = f"{prefix}.{name}" if prefix else name
-            mod._buffers[name] = cast_buffer(buf, where, dtypes.get(own, buf.dtype))
+            mod._buffers[name] = cast_buffer(buf, where, dtypes.get(own, buf.dtype), computed=own in computed)

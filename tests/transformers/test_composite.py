@@ -129,3 +129,32 @@ def test_the_load_holds_no_float32_copy(tmp_path, child_env):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["dtypes"] == ["torch.bfloat16"]
     assert got["peak"] <= got["final"] + 64 * 2**20, got
+
+
+def test_a_part_cast_to_bf16_by_its_constructor_gets_rope_as_from_pretrained_computes_it(tmp_path):
+    """pi0's constructor ends in ``self.to(dtype=torch.bfloat16)``: its Gemma's ``inv_freq`` is rounded to bf16 there.
+    Loaded with ``dtype=torch.bfloat16``, the part gets what ``from_pretrained(dtype=torch.bfloat16)`` gives: float32,
+    computed once, not the bf16-rounded values widened."""
+    from safetensors.torch import save_model
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.expert = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, vocab_size=100))
+            self.to(dtype=torch.bfloat16)
+
+    torch.manual_seed(0)
+    save_model(Policy(), tmp_path / "policy.safetensors")
+    with init_empty():
+        policy = Policy()
+    rounded = [b.clone() for n, b in policy.named_buffers() if n.endswith("inv_freq")]
+    load_checkpoint(policy, tmp_path / "policy.safetensors", dtype=torch.bfloat16, progress=False)
+    computed = transformers.GemmaForCausalLM(policy.expert.config)
+    ours = [b for n, b in policy.named_buffers() if n.endswith("inv_freq")]
+    theirs = [b for n, b in computed.named_buffers() if n.endswith("inv_freq")]
+    assert len(ours) == len(theirs) > 0
+    for got, want, before in zip(ours, theirs, rounded):
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+        assert not torch.equal(before.float(), want)  # the test can tell the rounded values apart
