@@ -21,6 +21,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_lowmem.errors import format_names
+
 LinearFilter = Callable[[nn.Module, str], bool]
 """``filter(module, name) -> bool``: whether a module is a linear layer to quantize (as torchao's ``filter_fn``)."""
 
@@ -55,28 +57,46 @@ def linear_shape(module: nn.Module) -> tuple[int, int, bool] | None:
     """``(in_features, out_features, has_bias)`` of a linear-shaped module of a class of its own (see the module
     docstring), else None: torch's own layers and their subclasses (``nn.Embedding``, a LoRA ``nn.Linear``) are
     what their class says."""
-    if any(c.__module__.startswith("torch.nn.") for c in type(module).__mro__ if c is not nn.Module):
+    weight = _own_weight(module)
+    if weight is None or set(module._parameters) - {"weight", "bias"} or not weight.is_floating_point():
         return None
-    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
-    extra = set(module._parameters) - {"weight", "bias"}
-    if module._modules or extra or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return None
-    if not weight.is_floating_point():
-        return None
+    bias = module._parameters.get("bias")
     out_features, in_features = weight.shape
     if bias is not None and tuple(bias.shape) != (out_features,):
         return None
     return in_features, out_features, bias is not None
 
 
+def unlike_linear(module: nn.Module) -> str | None:
+    """What a module of a class of its own with a 2-D ``weight`` holds that an ``nn.Linear`` does not (a weight stored
+    as int8, a ``weight_scaler`` beside it: quantized by its own scheme), or None when it is linear-shaped or has no
+    2-D weight of its own."""
+    weight = _own_weight(module)
+    if weight is None or linear_shape(module) is not None:
+        return None
+    extra = sorted(set(module._parameters) - {"weight", "bias"})
+    held = [f"a {weight.dtype} weight"] if not weight.is_floating_point() else []
+    held += [f"{format_names(extra)} beside its weight"] if extra else []
+    return " and ".join(held) or "a bias of another shape than its outputs"
+
+
+def _own_weight(module: nn.Module) -> torch.Tensor | None:
+    """The 2-D ``weight`` parameter of a childless module of a class of its own, else None."""
+    if any(c.__module__.startswith("torch.nn.") for c in type(module).__mro__ if c is not nn.Module):
+        return None
+    weight = module._parameters.get("weight")
+    return weight if not module._modules and isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
 def forward_reason(module: nn.Module) -> str | None:
     """None when ``module``'s forward, traced on a one-row input, is ``F.linear(input, weight, bias)`` alone; else why
-    not, naming what it calls (``""`` when it calls no matrix product: no linear layer at all)."""
-    shape = linear_shape(module)
-    if shape is None:
+    not, naming what it calls (``""`` when it calls no matrix product, or has no 2-D weight of its own: no linear
+    layer at all)."""
+    weight = _own_weight(module)
+    if weight is None:
         return ""
-    weight = module.weight
-    x = torch.zeros(1, shape[0], dtype=weight.dtype, device=weight.device)
+    dtype = weight.dtype if weight.is_floating_point() else torch.get_default_dtype()
+    x = torch.zeros(1, weight.shape[1], dtype=dtype, device=weight.device)
     trace = _Trace()
     try:
         with torch.no_grad(), trace:

@@ -44,7 +44,7 @@ from torch import nn
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.quantize.layouts import scheme_of
-from lightning_lowmem.quantize.linear_like import LinearFilter, forward_reason, linear_shape, stand_in
+from lightning_lowmem.quantize.linear_like import LinearFilter, forward_reason, linear_shape, stand_in, unlike_linear
 from lightning_lowmem.quantize.schemes import QuantScheme
 
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "lm_head.linear", "*.lm_head.linear")
@@ -188,9 +188,12 @@ def _own_linear(name: str, mod: nn.Module, treat_as_linear: LinearFilter | None,
     ``treat_as_linear`` says so), else None; a linear-shaped one that is not is named in ``selection.left_out``."""
     declared = treat_as_linear is not None and treat_as_linear(mod, name)
     if linear_shape(mod) is None:
+        held = unlike_linear(mod)
         if declared:
-            selection.left_out[name] = (f"treat_as_linear names it, but {type(mod).__name__} holds no 2-D weight "
-                                        "(out, in) and optional bias alone")
+            selection.left_out[name] = (f"treat_as_linear names it, but {type(mod).__name__} holds "
+                                        f"{held or 'no 2-D weight (out, in)'}, not a floating weight and bias alone")
+        elif held and forward_reason(mod):  # a linear layer quantized by its own scheme (gemma_pytorch's int8)
+            selection.left_out[name] = f"{type(mod).__name__} holds {held}: no plain linear layer, kept as it is"
         return None
     reason = None if declared else forward_reason(mod)
     if reason is None:

@@ -169,3 +169,41 @@ def test_what_is_linear_shaped():
     assert linear_shape(nn.Sequential(Linear(3, 2))) is None
     with pytest.raises(TypeError, match="treat_as_linear must be a module class"):
         linear_filter(["Linear"])
+
+
+class Int8Linear(nn.Module):
+    """gemma_pytorch's Linear with ``quant=True``: an int8 weight and a ``weight_scaler``, already quantized."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty((out_features, in_features), dtype=torch.int8), requires_grad=False)
+        self.weight_scaler = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight * self.weight_scaler.unsqueeze(-1))
+
+
+def test_a_linear_quantized_by_its_own_scheme_is_named_and_kept(tmp_path):
+    source = nn.Sequential(Int8Linear(16, 32), Int8Linear(32, 16))
+    for layer in source:
+        layer.weight.data = torch.randint(-127, 127, layer.weight.shape, dtype=torch.int8)
+        layer.weight_scaler.data = torch.rand(layer.weight.shape[0]) / 100
+    torch.save({"model_state_dict": source.state_dict()}, tmp_path / "int8.ckpt")
+    with init_empty():
+        model = nn.Sequential(Int8Linear(16, 32), Int8Linear(32, 16))
+    with pytest.warns(UserWarning, match="quantizes nothing"):
+        report = load_checkpoint(model, tmp_path / "int8.ckpt", quantize="bnb.int8", progress=False)
+    assert report.quantized == {}
+    assert report.left_out == {name: "Int8Linear holds a torch.int8 weight and 'weight_scaler' beside its weight: no "
+                                     "plain linear layer, kept as it is" for name in ("0", "1")}
+    assert torch.equal(model[0].weight, source[0].weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        declared = load_checkpoint(_meta_int8(), tmp_path / "int8.ckpt", quantize="bnb.int8", progress=False,
+                                   treat_as_linear=Int8Linear)
+    assert "not a floating weight and bias alone" in declared.left_out["0"]
+
+
+def _meta_int8() -> nn.Module:
+    with init_empty():
+        return nn.Sequential(Int8Linear(16, 32), Int8Linear(32, 16))
