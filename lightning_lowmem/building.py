@@ -16,14 +16,15 @@ What a constructor does to its tensors works as it does eagerly:
   gives it, instead of rounding it twice, and a model family that computes it wider gets it exact
   (:func:`cast_buffer`); a load that needs neither drops them before it reads;
 * a library's ``from_pretrained`` called inside the block (a wrapper whose constructor loads its parts) reads no
-  weights: hooks registered by the library faces (:func:`register_building_hook`; transformers' in
-  ``transformers/deferred.py``) build the part on meta from its config, to be filled by a load.
+  weights: hooks registered by the library faces (``library_hooks.py``; transformers' in ``transformers/deferred.py``,
+  diffusers' in ``diffusers/deferred.py``), applied to their modules imported before the block or inside it, build
+  the part on meta from its config, to be filled by a load.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.library_hooks import hooks_applied
 
 ORIGIN = "_lowmem_cast_from"
 """The attribute on a buffer cast to a narrower dtype inside :func:`init_empty` that holds the tensor it was cast
@@ -48,16 +50,6 @@ _FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.log_normal_,
 ``torch._dynamo`` (73 MiB and a second, once per process, measured on the 2-core machine)."""
 _CASTS = {torch.Tensor.to, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.float, torch.Tensor.double,
           torch.Tensor.type, torch.Tensor.type_as}
-_HOOKS: list[Callable[[], contextlib.AbstractContextManager[Any]]] = []
-
-
-def register_building_hook(hook: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
-    """Enter ``hook()`` for the length of every :func:`init_empty` block (a library face's patch of its
-    ``from_pretrained``); a hook registered twice is kept once."""
-    if hook not in _HOOKS:
-        _HOOKS.append(hook)
-
-
 @contextlib.contextmanager
 def init_empty(include_buffers: bool = False) -> Iterator[None]:
     """Build modules with parameters on the meta device and real (CPU) buffers, whatever their constructors do.
@@ -88,8 +80,7 @@ def init_empty(include_buffers: bool = False) -> Iterator[None]:
             if include_buffers:
                 stack.enter_context(torch.device("meta"))
             stack.enter_context(_AsConstructed())
-            for hook in _HOOKS:
-                stack.enter_context(hook())
+            stack.enter_context(hooks_applied())
             yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]

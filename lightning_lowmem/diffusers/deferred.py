@@ -14,14 +14,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_lowmem.building import SOURCE, register_building_hook
+from lightning_lowmem.building import SOURCE
+from lightning_lowmem.library_hooks import register_building_hook
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +33,8 @@ _REFUSED = ("quantization_config", "dduf_entries", "parallel_config")
 
 
 @contextlib.contextmanager
-def _deferring() -> Iterator[None]:
-    """diffusers' ``ModelMixin.from_pretrained`` builds on meta without reading, for the block; nothing is patched
-    when diffusers' models are not imported."""
-    modeling = sys.modules.get("diffusers.models.modeling_utils")
-    if modeling is None:
-        yield
-        return
+def _deferring(modeling: ModuleType) -> Iterator[None]:
+    """``diffusers.models.modeling_utils``'s ``ModelMixin.from_pretrained`` builds on meta without reading, for the block."""
     base = modeling.ModelMixin
     original = base.__dict__["from_pretrained"]
     base.from_pretrained = classmethod(_from_pretrained_on_meta)
@@ -94,4 +90,4 @@ def _as_loaded(model: nn.Module, dtype: torch.dtype, keep: str | list[str]) -> N
                 mod._buffers[leaf] = buffer.to(wanted(name))
 
 
-register_building_hook(_deferring)
+register_building_hook("diffusers.models.modeling_utils", _deferring)

@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_lowmem.building import SOURCE, register_building_hook
+from lightning_lowmem.building import SOURCE
+from lightning_lowmem.library_hooks import register_building_hook
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,8 @@ _REFUSED = ("quantization_config", "state_dict", "gguf_file", "tp_plan", "device
 
 
 @contextlib.contextmanager
-def _deferring() -> Iterator[None]:
-    """transformers' ``PreTrainedModel.from_pretrained`` builds on meta without reading, for the block; nothing is
-    patched when transformers' models are not imported (a constructor that imports them inside the block reads)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:
-        yield
-        return
+def _deferring(modeling: ModuleType) -> Iterator[None]:
+    """``transformers.modeling_utils``'s ``PreTrainedModel.from_pretrained`` builds on meta without reading, for the block."""
     base = modeling.PreTrainedModel
     original = base.__dict__["from_pretrained"]
     base.from_pretrained = classmethod(_from_pretrained_on_meta)
@@ -115,4 +111,4 @@ def _dtype_asked(dtype: Any, config: Any) -> torch.dtype:
     return dtype
 
 
-register_building_hook(_deferring)
+register_building_hook("transformers.modeling_utils", _deferring)

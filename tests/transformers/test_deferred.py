@@ -109,3 +109,41 @@ def test_an_option_the_load_does_not_take_is_refused_by_name(model_path):
     with init_empty(), pytest.raises(TypeError, match=r"from_pretrained\(.*quantization_config=\.\.\.\) inside "
                                                       r"init_empty\(\).*pass quantize= to load_checkpoint"):
         transformers.T5EncoderModel.from_pretrained(model_path / "text_encoder_3", quantization_config={"x": 1})
+
+
+def test_a_constructor_that_imports_transformers_itself_reads_nothing(model_path, tmp_path, child_env):
+    """transformers imported only inside the block (a constructor's own lazy import): its from_pretrained is patched
+    as the module is imported, before anything calls it. Weight files of garbage show any read."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(model_path, garbage)
+    for weights in garbage.rglob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    code = textwrap.dedent("""
+        import json, sys, torch
+        from torch import nn
+        from lightning_lowmem import init_empty
+        assert "transformers.modeling_utils" not in sys.modules
+
+        class Encoder(nn.Module):
+            def __init__(self, path):
+                super().__init__()
+                from transformers import T5EncoderModel  # imported when the constructor runs
+                self.t5 = T5EncoderModel.from_pretrained(path, torch_dtype=torch.bfloat16)
+
+        with init_empty():
+            encoder = Encoder(sys.argv[1])
+        from transformers import PreTrainedModel
+        print(json.dumps({"meta": all(p.is_meta for p in encoder.parameters()),
+                          "restored": "from_pretrained" in PreTrainedModel.__dict__
+                                      and PreTrainedModel.from_pretrained.__func__.__name__ == "from_pretrained"}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(garbage / "text_encoder_3")], capture_output=True,
+                          text=True, env=child_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"meta": True, "restored": True}
