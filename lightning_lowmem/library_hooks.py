@@ -22,6 +22,28 @@ Hook = Callable[[ModuleType], contextlib.AbstractContextManager[Any]]
 _HOOKS: dict[str, Hook] = {}
 
 
+@contextlib.contextmanager
+def from_pretrained_replaced(cls: type, function: Callable[..., Any]) -> Iterator[None]:
+    """``cls.from_pretrained`` is ``function`` (a classmethod) for the block; the library's own after it."""
+    original = cls.__dict__["from_pretrained"]
+    cls.from_pretrained = classmethod(function)
+    try:
+        yield
+    finally:
+        cls.from_pretrained = original
+
+
+def refuse_reading_options(cls: type, path: Any, kwargs: dict[str, Any], names: tuple[str, ...]) -> None:
+    """A ``from_pretrained`` keyword in ``names`` given inside ``init_empty()`` (``quantization_config``, a state dict
+    to load from): a ``TypeError`` saying what to do, for no read follows that could honour it."""
+    refused = [k for k in names if kwargs.get(k) is not None]
+    if refused:
+        raise TypeError(f"{cls.__name__}.from_pretrained({str(path)!r}, {refused[0]}=...) inside init_empty(): the "
+                        "part is built on meta and filled by load_checkpoint, which does not take "
+                        f"{refused[0]}; pass quantize= to load_checkpoint, or call from_pretrained outside "
+                        "init_empty().")
+
+
 def register_building_hook(module: str, hook: Hook) -> None:
     """Enter ``hook(module)`` in every ``init_empty()`` block where the module named ``module`` is imported, before
     the block or inside it; registering a name again replaces its hook."""

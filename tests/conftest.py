@@ -675,6 +675,22 @@ def _inner(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="session")
+def assert_same_tensors():
+    """``assert_same_tensors(model, reference)``: every parameter and buffer of ``model`` is ``reference``'s, by name,
+    dtype, device, ``requires_grad`` and value (bit for bit)."""
+    def check(model: nn.Module, reference: nn.Module) -> None:
+        ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        assert ours.keys() == theirs.keys()
+        for name, tensor in theirs.items():
+            assert (ours[name].dtype, ours[name].device) == (tensor.dtype, tensor.device), name
+            assert ours[name].requires_grad == tensor.requires_grad, name
+            assert torch.equal(ours[name], tensor), name
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def assert_same_weights():
     """``assert_same_weights(model, ref)``: every Linear of ``model`` is of ``ref``'s type and holds the same
     tensors (codes, scales, quantization state), bit for bit."""

@@ -70,17 +70,6 @@ def eager(dtype: torch.dtype, path) -> nn.Module:
     return model
 
 
-def assert_same(model: nn.Module, reference: nn.Module) -> None:
-    """Every parameter and buffer of ``model`` equals ``reference``'s: names, dtypes, devices, values (bits)."""
-    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert (ours[name].dtype, ours[name].device) == (tensor.dtype, tensor.device), name
-        assert torch.equal(ours[name], tensor), name
-        assert ours[name].requires_grad == tensor.requires_grad, name
-
-
 def test_a_constructor_that_moves_and_casts_itself_builds_on_meta():
     with init_empty():
         model = Model(torch.bfloat16)
@@ -121,15 +110,15 @@ def test_outside_the_block_torch_refuses_as_before():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_load_equals_the_same_constructor_run_eagerly(saved, dtype):
+def test_the_load_equals_the_same_constructor_run_eagerly(saved, dtype, assert_same_tensors):
     with init_empty():
         model = Model(dtype)
     load_checkpoint(model, saved, progress=False)
-    assert_same(model, eager(dtype, saved))
+    assert_same_tensors(model, eager(dtype, saved))
     assert not any(hasattr(b, ORIGIN) for b in model.buffers())  # what the fallback needed is gone after the load
 
 
-def test_under_the_fp16_fallback_buffers_are_rounded_once_as_the_fp16_constructor_gives_them(saved):
+def test_under_the_fp16_fallback_buffers_are_rounded_once_as_the_fp16_constructor_gives_them(saved, assert_same_tensors):
     """A device without bf16: the wrapper asked for bf16 gets fp16; its RoPE table is cast from the constructor's
     float32 values, as the same constructor run with fp16 gives it, not from the bf16 copy (rounded twice)."""
     with init_empty():
@@ -139,7 +128,7 @@ def test_under_the_fp16_fallback_buffers_are_rounded_once_as_the_fp16_constructo
         warnings.simplefilter("ignore")
         load_checkpoint(model, saved, progress=False)
     reference = eager(torch.float16, saved)
-    assert_same(model, reference)
+    assert_same_tensors(model, reference)
     assert not torch.equal(twice, reference.model.rope.cache)  # the test can tell the two roundings apart
     tokens = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model.model(tokens), reference.model(tokens))
@@ -152,7 +141,7 @@ def test_a_buffer_cast_outside_init_empty_has_no_origin():
         assert cast_buffer(table, "cpu", torch.bfloat16).item() == 1.0  # rounded from the bf16 it holds
 
 
-def test_a_failed_load_keeps_what_the_fallback_needs(saved, tmp_path):
+def test_a_failed_load_keeps_what_the_fallback_needs(saved, tmp_path, assert_same_tensors):
     """A load that fails leaves the module as it was, the constructor's values included: the next load still
     rounds once."""
     bad = tmp_path / "bad.safetensors"
@@ -165,7 +154,7 @@ def test_a_failed_load_keeps_what_the_fallback_needs(saved, tmp_path):
     with assume_bf16_support("cpu", False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load_checkpoint(model, saved, progress=False)
-    assert_same(model, eager(torch.float16, saved))
+    assert_same_tensors(model, eager(torch.float16, saved))
 
 
 def test_building_on_meta_fills_nothing(child_env):

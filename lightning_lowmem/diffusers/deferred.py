@@ -11,18 +11,15 @@ from ``path``/``subfolder``, the model built from it under ``torch_dtype`` as th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_lowmem.building import SOURCE
-from lightning_lowmem.library_hooks import register_building_hook
+from lightning_lowmem.library_hooks import from_pretrained_replaced, refuse_reading_options, register_building_hook
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +29,8 @@ _READING = ("ignore_mismatched_sizes", "from_flax", "output_loading_info", "devi
 _REFUSED = ("quantization_config", "dduf_entries", "parallel_config")
 
 
-@contextlib.contextmanager
-def _deferring(modeling: ModuleType) -> Iterator[None]:
-    """``diffusers.models.modeling_utils``'s ``ModelMixin.from_pretrained`` builds on meta without reading, for the block."""
-    base = modeling.ModelMixin
-    original = base.__dict__["from_pretrained"]
-    base.from_pretrained = classmethod(_from_pretrained_on_meta)
-    try:
-        yield
-    finally:
-        base.from_pretrained = original
-
-
 def _from_pretrained_on_meta(cls: type[nn.Module], path: Any, **kwargs: Any) -> nn.Module:
-    refused = [k for k in _REFUSED if kwargs.get(k) is not None]
-    if refused:
-        raise TypeError(f"{cls.__name__}.from_pretrained({str(path)!r}, {refused[0]}=...) inside init_empty(): the "
-                        "part is built on meta and filled by load_checkpoint, which does not take "
-                        f"{refused[0]}; pass quantize= to load_checkpoint, or call from_pretrained outside "
-                        "init_empty().")
+    refuse_reading_options(cls, path, kwargs, _REFUSED)
     dtype = kwargs.pop("torch_dtype", None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # diffusers' default, as its own
     locating = {k: kwargs.pop(k) for k in _LOCATING if k in kwargs}
@@ -90,4 +70,5 @@ def _as_loaded(model: nn.Module, dtype: torch.dtype, keep: str | list[str]) -> N
                 mod._buffers[leaf] = buffer.to(wanted(name))
 
 
-register_building_hook("diffusers.models.modeling_utils", _deferring)
+register_building_hook("diffusers.models.modeling_utils",
+                       lambda modeling: from_pretrained_replaced(modeling.ModelMixin, _from_pretrained_on_meta))

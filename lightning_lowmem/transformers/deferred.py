@@ -12,18 +12,15 @@ which call fills them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_lowmem.building import SOURCE
-from lightning_lowmem.library_hooks import register_building_hook
+from lightning_lowmem.library_hooks import from_pretrained_replaced, refuse_reading_options, register_building_hook
 
 log = logging.getLogger(__name__)
 
@@ -37,26 +34,9 @@ _LOCATING = ("cache_dir", "force_download", "local_files_only", "token", "revisi
 _REFUSED = ("quantization_config", "state_dict", "gguf_file", "tp_plan", "device_mesh", "adapter_kwargs")
 
 
-@contextlib.contextmanager
-def _deferring(modeling: ModuleType) -> Iterator[None]:
-    """``transformers.modeling_utils``'s ``PreTrainedModel.from_pretrained`` builds on meta without reading, for the block."""
-    base = modeling.PreTrainedModel
-    original = base.__dict__["from_pretrained"]
-    base.from_pretrained = classmethod(_from_pretrained_on_meta)
-    try:
-        yield
-    finally:
-        base.from_pretrained = original
-
-
 def _from_pretrained_on_meta(cls: type[nn.Module], path: Any, *model_args: Any, config: Any = None,
                              **kwargs: Any) -> nn.Module:
-    refused = [k for k in _REFUSED if kwargs.get(k) is not None]
-    if refused:
-        raise TypeError(f"{cls.__name__}.from_pretrained({str(path)!r}, {refused[0]}=...) inside init_empty(): the "
-                        "part is built on meta and filled by load_checkpoint, which does not take "
-                        f"{refused[0]}; pass quantize= to load_checkpoint, or call from_pretrained outside "
-                        "init_empty().")
+    refuse_reading_options(cls, path, kwargs, _REFUSED)
     dtype = kwargs.pop("dtype", None)
     torch_dtype = kwargs.pop("torch_dtype", None)
     dtype = dtype if dtype is not None else torch_dtype
@@ -111,4 +91,5 @@ def _dtype_asked(dtype: Any, config: Any) -> torch.dtype:
     return dtype
 
 
-register_building_hook("transformers.modeling_utils", _deferring)
+register_building_hook("transformers.modeling_utils",
+                       lambda modeling: from_pretrained_replaced(modeling.PreTrainedModel, _from_pretrained_on_meta))

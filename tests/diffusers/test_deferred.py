@@ -49,16 +49,12 @@ def test_from_pretrained_inside_init_empty_reads_no_weight(model_path, tmp_path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_the_part_loads_as_from_pretrained_gives_it(model_path, dtype):
+def test_the_part_loads_as_from_pretrained_gives_it(model_path, dtype, assert_same_tensors):
     with init_empty():
         pipeline = Pipeline(model_path, dtype)
     load_checkpoint(pipeline.dit, model_path / "transformer", progress=False)
     reference = Pipeline(model_path, dtype)
-    ours = {**dict(pipeline.named_parameters()), **dict(pipeline.named_buffers())}
-    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert_same_tensors(pipeline, reference)
 
 
 def test_a_load_of_the_wrapper_names_the_directory_that_fills_the_part(model_path, tmp_path):

@@ -85,17 +85,13 @@ def eager(directory, dtype: torch.dtype) -> nn.Module:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_module_holding_transformers_models_gets_the_dtype_asked(saved, dtype):
+def test_a_module_holding_transformers_models_gets_the_dtype_asked(saved, dtype, assert_same_tensors):
     with init_empty():
         model = PaliGemmaWithExpert()
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the configs' torch_dtype="float32"
     load_checkpoint(model, saved / "model.safetensors", dtype=dtype, progress=False)
     reference = eager(saved, dtype)
-    ours = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    theirs = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    assert_same_tensors(model, reference)
     assert {p.dtype for p in model.parameters()} == {dtype}
     rope = [b for n, b in model.paligemma.named_buffers() if n.endswith("inv_freq")]
     assert rope and all(b.dtype == torch.float32 for b in rope)  # as from_pretrained keeps them
