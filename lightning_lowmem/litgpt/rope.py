@@ -40,6 +40,20 @@ def generation_rope_dtype(dtype: torch.dtype, scheme: object | None) -> torch.dt
     return torch.float32 if str(getattr(scheme, "name", "")).startswith("bnb.") else dtype
 
 
+def pin_generation_rope_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Mark a model the library loaded for generation with the dtype its RoPE tables take whenever its caches are set up
+    (:func:`generation_rope_dtype`), whichever loop sets them up: ``generate()``'s, or litgpt's chat loop, whose
+    ``max_seq_length`` setter computes them again in float32 before each first turn. So ``lightning-lowmem chat``
+    computes as ``lightning-lowmem generate`` does."""
+    model.__dict__["_lowmem_generation_rope_dtype"] = dtype
+
+
+def generation_rope_dtype_of(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`pin_generation_rope_dtype` marked ``model`` with, or None (a model litgpt loaded: its tables keep
+    the dtype litgpt gave them)."""
+    return model.__dict__.get("_lowmem_generation_rope_dtype")
+
+
 def drop_rope(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
     """Drop a litgpt model's RoPE tables to zero rows on ``device``, in ``dtype`` (None: the dtype they have now; the
     cache guard grows them back in the dtype the zero-row tables have then)."""
@@ -48,10 +62,13 @@ def drop_rope(model: nn.Module, device: torch.device, dtype: torch.dtype | None 
         setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=dtype or table.dtype, device=device))
 
 
-def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Set ``model.max_seq_length = length`` with RoPE tables of exactly ``length`` rows in ``dtype`` on ``device``."""
+def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype,
+                set_length: bool = True) -> None:
+    """Set ``model.max_seq_length = length`` with RoPE tables of exactly ``length`` rows in ``dtype`` on ``device``
+    (``set_length=False``: the tables only, ``max_seq_length`` left as it is)."""
     if not is_litgpt_like(model):
-        model.max_seq_length = length
+        if set_length:
+            model.max_seq_length = length
         for name in ("cos", "sin"):
             table = getattr(model, name, None)
             if isinstance(table, torch.Tensor):
@@ -59,7 +76,8 @@ def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torc
         return
     drop_rope(model, device)  # the old tables go before the new ones are computed
     set_rope(model, length, device, dtype)
-    set_max_seq_length(model, length)
+    if set_length:
+        set_max_seq_length(model, length)
 
 
 def rope_tables(model: nn.Module, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
