@@ -4,7 +4,10 @@ The conversation is litgpt 0.5.13's (``litgpt.chat.base.interact`` and
 ``process_prompt``, its prompt style lookup and ``prompt_style.stop_tokens``);
 only the load differs: the model is streamed in (quantized on load, on CPU too),
 and :func:`~lightning_lowmem.litgpt.patch.patch_litgpt` makes litgpt's
-``set_kv_cache`` size the caches to each request, in the model's dtype.
+``set_kv_cache`` size the caches to each request, in the model's dtype, with the
+RoPE tables in the dtype ``generate`` computes them in (the model is marked with it
+at load: :func:`~lightning_lowmem.litgpt.rope.pin_generation_rope_dtype`), so each
+reply is the tokens ``generate`` gives for that prompt.
 """
 
 from __future__ import annotations

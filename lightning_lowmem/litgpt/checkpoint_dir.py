@@ -40,8 +40,8 @@ from lightning_lowmem.litgpt.config_check import check_config_fits
 from lightning_lowmem.litgpt.hf_config import config_from_hf_json
 from lightning_lowmem.litgpt.prompt_style import has_chat_template_style
 from lightning_lowmem.litgpt.requirement import import_litgpt
-from lightning_lowmem.litgpt.rope import generation_rope_dtype
-from lightning_lowmem.meta import init_empty
+from lightning_lowmem.litgpt.rope import generation_rope_dtype, pin_generation_rope_dtype
+from lightning_lowmem.meta import fabric_unwrapped, init_empty
 from lightning_lowmem.quiet import quietly
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -181,8 +181,10 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
         model = build_meta_gpt(checkpoint.config)
     report = run_load(model, checkpoint.chosen, options)
     model = fabric.setup_module(model).eval()
-    if generation_rope_dtype(dtype, options.scheme) != dtype:  # as litgpt's generate leaves them
+    rope_dtype = generation_rope_dtype(dtype, options.scheme)
+    if rope_dtype != dtype:  # as litgpt's generate leaves them
         LITGPT.reset_buffers(model, device)
+    pin_generation_rope_dtype(fabric_unwrapped(model), rope_dtype)  # chat's loop computes RoPE as generate's does
     return model, report
 
 
