@@ -181,7 +181,8 @@ def load_litgpt(checkpoint: LitgptCheckpoint, options: LoadOptions) -> tuple[nn.
         model = build_meta_gpt(checkpoint.config)
     report = run_load(model, checkpoint.chosen, options)
     model = fabric.setup_module(model).eval()
-    rope_dtype = generation_rope_dtype(dtype, options.scheme)
+    held = options.scheme or next(iter(sorted(set(report.quantized.values()))), None)  # on load, or as stored
+    rope_dtype = generation_rope_dtype(dtype, held)
     if rope_dtype != dtype:  # as litgpt's generate leaves them
         LITGPT.reset_buffers(model, device)
     pin_generation_rope_dtype(fabric_unwrapped(model), rope_dtype)  # chat's loop computes RoPE as generate's does

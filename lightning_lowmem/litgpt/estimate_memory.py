@@ -111,9 +111,10 @@ def estimate_memory(
         prepared = prepare_load(model, source, options, check_keys=False)
         note = _read_bandwidth(prepared.placement, source, read_bandwidth)
         reads_gguf = source.checkpoint is not None and source.checkpoint.gguf is not None
+        held = prepared.selection.scheme if prepared.selection is not None else None  # on load, or as stored
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
                             max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
-                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme),
+                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, held),
                             with_transformers=(is_litgpt and reads_gguf) or None)
     est.tokenizer = tokenizer
     if is_litgpt and reads_gguf:

@@ -36,8 +36,14 @@ def own_dtype(model: nn.Module) -> torch.dtype:
 def generation_rope_dtype(dtype: torch.dtype, scheme: object | None) -> torch.dtype:
     """The dtype litgpt's own ``litgpt generate`` leaves its RoPE tables in: the precision's (``bf16-true`` converts
     them with the model), float32 when it quantizes with bitsandbytes (Lightning's ``BitsandbytesPrecision`` converts
-    no buffer: the tables stay as ``rope_cache()`` computed them)."""
-    return torch.float32 if str(getattr(scheme, "name", "")).startswith("bnb.") else dtype
+    no buffer: the tables stay as ``rope_cache()`` computed them).
+
+    Args:
+        scheme: the scheme the model's Linears hold, quantized on load or stored so (a saved bitsandbytes copy computes
+            as quantizing on load does), as a scheme or its name; None without one.
+    """
+    name = scheme if isinstance(scheme, str) else str(getattr(scheme, "name", ""))
+    return torch.float32 if name.startswith("bnb.") else dtype
 
 
 def pin_generation_rope_dtype(model: nn.Module, dtype: torch.dtype) -> None:
