@@ -5,7 +5,8 @@ As litgpt 0.5.13's ``litgpt/generate/base.py:main``: the directory's prompt styl
 config's name) is applied to
 the prompt with ``--sys_prompt``; the generator is seeded with 1234; generation stops at
 the tokenizer's ``eos_id``; each sample's ``tokenizer.decode`` goes to stdout and the
-timings to stderr. The model is streamed in (quantized on load, on CPU too) and the KV
+timings to stderr. Unlike ``litgpt generate``, stdout holds each sample's reply without the (styled) prompt, as
+litgpt's ``LLM.generate`` returns it. The model is streamed in (quantized on load, on CPU too) and the KV
 caches are sized to prompt + ``--max_new_tokens`` by :func:`lightning_lowmem.litgpt.generate`.
 """
 
@@ -75,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
                       compile=args.compile)
     if result.load_report is not None:
         print(result.load_report, file=sys.stderr)
-    for i, tokens in enumerate(result.tokens):
+    for i, tokens in enumerate(result.new_tokens):  # the reply, as litgpt's LLM.generate returns it
         print(result.texts[i] if result.texts is not None else " ".join(str(t) for t in tokens.tolist()), flush=True)
-        new, seconds = tokens.numel() - result.prompt_length, result.seconds[i]
+        new, seconds = tokens.numel(), result.seconds[i]
         print(f"Time for inference {i + 1}: {seconds:.02f} sec total, {new / seconds:.02f} tokens/sec",
               file=sys.stderr)
     print(f"Memory: {result.memory}", file=sys.stderr)

@@ -77,7 +77,8 @@ class GenerateResult:
     Attributes:
         tokens: one tensor per sample: the prompt followed by the new tokens.
         prompt_length: tokens in the prompt.
-        texts: the decoded samples when a tokenizer was found, else None.
+        texts: each sample's reply, its new tokens decoded (not the prompt), as litgpt's ``LLM.generate`` returns it,
+            when a tokenizer was found; else None.
         seconds: wall time of each sample's generation.
         memory: weights, caches and peaks.
         load_report: what the load did, or None when a loaded model was passed.
@@ -296,7 +297,7 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
         result.seconds.append(time.perf_counter() - t0)
         result.tokens.append(tokens)
     if tokenizer is not None:
-        result.texts = [tokenizer.decode(t) for t in result.tokens]
+        result.texts = [tokenizer.decode(t) for t in result.new_tokens]
 
 
 def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:
