@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
     check_budgets(args, args.parser)
     model, tokenizer, found, report, device = _load(Path(args.checkpoint), args)
     config = found.config
-    print(report, file=sys.stderr)
+    print(report, file=sys.stderr, flush=True)  # now, to a file or a pipe too (2> file), not at exit
     prompt_style = _prompt_style(found)
     exit_instruction = ("To exit, enter '!quit' or '!exit' on an empty prompt and press 'Enter'." if args.multiline
                         else "To exit, press 'Enter' on an empty prompt.")
-    print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
+    print(f"Now chatting with {config.name}.\n{exit_instruction}\n", flush=True)
     _seed()
     with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report):
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,

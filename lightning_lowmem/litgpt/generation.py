@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,8 @@ def generate(
     compile: bool = False,
     sys_prompt: str | None = None,
     prompt_style: Any = "auto",
+    on_load: Callable[[LoadReport], None] | None = None,
+    on_sample: Callable[[int, torch.Tensor, float], None] | None = None,
     **load_options: Any,
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
@@ -227,6 +230,10 @@ def generate(
             GGUF file's chat template, else litgpt's style for the config's name;
             :mod:`~lightning_lowmem.litgpt.prompt_style`); None: the text as given; a litgpt style's name
             (``"alpaca"``) or a ``litgpt.prompts.PromptStyle``. Token ids are never styled.
+        on_load: called with the load report as soon as the load ends, before any token is generated (the command
+            line prints it then); not called for a model passed in.
+        on_sample: called after each sample with its index, its new tokens and its seconds, before the next one
+            starts (the command line prints the reply then).
         load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes. With
             ``max_memory`` (budgets instead of ``device``) the placement reserves this request's KV caches (prompt +
             ``max_new_tokens``); with ``disk_offload`` too, the layers that fit no budget are read from the file for
@@ -271,18 +278,21 @@ def generate(
             model = unwrap_model(checkpoint)
         else:
             model, report = load_litgpt(found, options)
+            if on_load is not None:
+                on_load(report)
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
             device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
             with compiled_decoding(device, blocked_by=compile_blocker(report)) if compile else contextlib.nullcontext():
                 _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed,
-                             dict(temperature=temperature, top_k=top_k, top_p=top_p))
+                             dict(temperature=temperature, top_k=top_k, top_p=top_p), on_sample)
     result.memory = _memory(model, monitor, report)
     return result
 
 
 def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, tokenizer: Any | None,
-                 max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any]) -> None:
+                 max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any],
+                 on_sample: Callable[[int, torch.Tensor, float], None] | None = None) -> None:
     litgpt_generate = import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()").generate
 
     total = ids.numel() + max_new_tokens
@@ -296,6 +306,8 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
         tokens = litgpt_generate(model, ids, total, eos_id=eos_id, **sampling)
         result.seconds.append(time.perf_counter() - t0)
         result.tokens.append(tokens)
+        if on_sample is not None:
+            on_sample(len(result.tokens) - 1, tokens[ids.numel():], result.seconds[-1])
     if tokenizer is not None:
         result.texts = [tokenizer.decode(t) for t in result.new_tokens]
 

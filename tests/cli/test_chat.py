@@ -104,3 +104,19 @@ def test_compile_gives_the_same_replies_over_turns_of_other_lengths(run_cli, cha
     assert compiled.returncode == 0, compiled.stderr
     assert _replies(compiled.stdout) == _replies(eager.stdout) and len(_replies(eager.stdout)) == 3
     assert "compile=True" not in compiled.stderr
+
+
+def test_the_report_is_in_the_file_before_the_chat_starts(chat_model_dir, monkeypatch, tmp_path):
+    """``2> file``: the load report is in the file when the chat loop starts, not at exit."""
+    import io
+    import sys
+
+    import litgpt.chat.base
+
+    err_path, seen = tmp_path / "err", []
+    monkeypatch.setattr(litgpt.chat.base, "interact", lambda **kwargs: seen.append(err_path.read_text()))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    with open(err_path, "w") as err:
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main(["chat", str(chat_model_dir)]) == 0
+    assert len(seen) == 1 and "Loaded " in seen[0]

@@ -95,7 +95,7 @@ def test_disk_offload_without_budgets_or_with_a_device_is_a_bad_argument(chat_mo
 
 def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
     """``--prompt`` and ``--sys_prompt`` through the file's chat template; the ids are transformers'
-    apply_chat_template(tokenize=True) ids, and the text printed is the decoded prompt and reply."""
+    apply_chat_template(tokenize=True) ids, and the text printed is the decoded reply alone."""
     import litgpt.generate.base
     import transformers
 
@@ -110,8 +110,10 @@ def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, mo
                  "--max_new_tokens", "3", "--top_k", "1"]) == 0
     reference = transformers.AutoTokenizer.from_pretrained(gguf_chat_model.parent, gguf_file=gguf_chat_model.name)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
-    assert seen == [reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]]
-    assert "Be brief." in capsys.readouterr().out
+    prompt = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert seen == [prompt]
+    printed = capsys.readouterr().out
+    assert "Be brief." not in printed and printed.strip()
 
 
 @pytest.mark.slow
@@ -165,3 +167,29 @@ def test_the_api_and_the_command_give_one_request_the_same_tokens(request, monke
     tokenizer = LitgptCheckpoint.find(checkpoint).tokenizer
     assert raw.tokens[0][:raw.prompt_length].tolist() == tokenizer.encode(question).tolist() != \
         command[:api.prompt_length]
+
+
+def test_the_report_and_each_sample_are_in_the_files_when_written(chat_model_dir, monkeypatch, tmp_path):
+    """``2> file``: the load report is in the file before generation starts, each sample's reply and time before the
+    next sample starts (flushed as written, not at exit), with stdout and stderr as block-buffered files."""
+    import sys
+
+    import litgpt.generate.base
+
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    seen, real = [], litgpt.generate.base.generate
+
+    def spy(*args, **kwargs):
+        seen.append((out_path.read_text(), err_path.read_text()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(litgpt.generate.base, "generate", spy)
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        code = main(["generate", str(chat_model_dir), "--prompt", PROMPT, "--max_new_tokens", "5", "--num_samples",
+                     "2"])
+    assert code == 0 and len(seen) == 2
+    (out_1, err_1), (out_2, err_2) = seen
+    assert "Loaded " in err_1 and out_1 == "" and "Time for inference" not in err_1
+    assert len(out_2.splitlines()) == 1 and "Time for inference 1:" in err_2 and "Time for inference 2" not in err_2
