@@ -319,3 +319,14 @@ def test_llm_generate_returns_the_same_values_with_and_without_the_patch(checkpo
     assert patched == unpatched
     text, ids = unpatched[0], unpatched[1]
     assert isinstance(text, str) and len(ids) == 6 and not text.startswith(PROMPT)
+
+
+def test_llm_generate_under_the_patch_gives_the_tokens_generate_gives(checkpoint_dir):
+    """One generation loop: litgpt's LLM.generate under the patch and ``generate()`` answer a prompt alike (greedy,
+    bf16, the directory's prompt style applied by both)."""
+    from lightning_lowmem import generate
+
+    with patch_litgpt():
+        llm = _llm(checkpoint_dir)
+        ids = llm.generate(PROMPT, max_new_tokens=12, top_k=1, return_as_token_ids=True)
+    assert generate(checkpoint_dir, PROMPT, max_new_tokens=12, top_k=1).new_tokens[0].tolist() == ids.tolist()
