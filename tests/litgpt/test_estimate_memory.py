@@ -347,3 +347,46 @@ def test_with_layers_on_disk_the_estimate_tells_what_a_generation_reads_and_hold
     measured = estimate_memory(directory, max_seq_length=22, max_memory=budget, disk_offload=True)
     assert measured.read_bandwidth > 0 and any("measured" in note for note in measured.notes)
     assert estimate_memory(directory, max_seq_length=22, max_memory={"cpu": "1GiB"}, disk_offload=True).disk_read == 0
+
+
+def test_without_lengths_the_estimate_sizes_generates_defaults_and_says_so(tiny_config):
+    """Not the model's whole context: a 64-token prompt + generate's 50 new tokens (within the block size), with a
+    note saying so."""
+    config = tiny_config("gqa", block_size=4096)
+    est = estimate_memory(config)
+    given = estimate_memory(config, max_seq_length=64 + 50, prompt_length=64)
+    assert (est.max_seq_length, est.prompt_length, est.kv_cache, est.peak) == \
+        (given.max_seq_length, given.prompt_length, given.kv_cache, given.peak)
+    assert any("no lengths given" in note and "50 new tokens" in note for note in est.notes), est.notes
+    assert not any("no lengths given" in note for note in given.notes)
+    short = estimate_memory(tiny_config("gqa"))  # block size 64: the whole of it, 50 of them new
+    assert (short.max_seq_length, short.prompt_length) == (64, 14)
+    alone = estimate_memory(config, prompt_length=10)  # a prompt alone: 50 new tokens after it
+    assert (alone.max_seq_length, alone.prompt_length) == (60, 10)
+
+
+def test_a_directorys_tokenizer_is_counted_as_a_fresh_process_holds_it(tmp_path, tiny_config, write_litgpt_dir,
+                                                                        child_env):
+    """generate() builds the directory's tokenizer and keeps it while it generates: the estimate counts it, at least
+    what reading it adds to a fresh process (heap handed back, as generate() does), at most 2 MiB more for a 50k-entry
+    vocabulary."""
+    import json
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = write_litgpt_dir(tmp_path / "tiny", tiny_config(), tokenizer=False)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50_000)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    est = estimate_memory(directory, max_seq_length=40, prompt_length=8)
+    code = ("import sys; from pathlib import Path; import torch, litgpt, lightning_lowmem\n"
+            "from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint\n"
+            "rss = lambda: next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmRSS'))\n"
+            "before = rss(); found = LitgptCheckpoint.find(Path(sys.argv[1])); print(rss() - before)")
+    held = int(subprocess.run([sys.executable, "-c", code, str(directory)], capture_output=True, text=True,
+                              env=child_env, check=True).stdout.split()[-1])
+    assert held <= est.tokenizer <= held + 2 * 2**20 and "tokenizer" in str(est), (held, est.tokenizer)
+    assert estimate_memory(directory, max_seq_length=40, prompt_length=8).peak == est.peak
