@@ -19,10 +19,11 @@ transformers' GGUF code and model classes):
 
 The estimate is ``estimate_memory`` of the same request, in the parent: ``load_peak`` against the
 load, ``peak`` against the generation. A row passes when measured <= estimate, and the estimate less the terms it
-takes at their upper bound (``bounds``: a library's import, the freed heap, transformers' classes) <= 1.10 x measured.
+takes at their upper bound (``bounds``: a library's import, the freed heap of a load and of a generation, transformers'
+classes) <= 1.10 x measured.
 
     python benchmarks/estimate_accuracy.py [--layers 30] [--bert-layers 24] [--bert-hidden 1024] [--schemes ...]
-        [--sources ...] [--long 200] [--jobs 2] [--json]
+        [--sources ...] [--long 200] [--long-only] [--jobs 2] [--json]
 """
 
 from __future__ import annotations
@@ -139,15 +140,20 @@ def estimate(source: str, path: Path, scheme: str, new: int) -> dict:
                           prompt_length=PROMPT)
     # the terms the estimate takes at their upper bound (its notes say which): what it may be over by
     heap = TRIM_AT if any("freed heap" in note for note in est.notes) else 0
-    bounds = {"load": est.library_import + est.imports + heap, "generate": est.library + est.imports}
+    bounds = {"load": est.library_import + est.imports + heap, "generate": est.library + est.imports + est.heap}
     return {"load": est.load_peak, "generate": None if source == "bert-bf16" else est.peak, "notes": est.notes,
             "bounds": bounds}
 
 
-def measure(paths: dict[str, Path], schemes: list[str], jobs: int, long: int = LONG) -> list[dict]:
+def measure(paths: dict[str, Path], schemes: list[str], jobs: int, long: int = LONG,
+            long_only: bool = False) -> list[dict]:
     """Every (source, scheme, new tokens) row: estimate and measurement, ``jobs`` fresh processes at a time."""
+    def lengths(source: str) -> tuple[int, ...]:
+        longs = (long,) if source in LONG_SOURCES and long else ()
+        return longs if long_only else (NEW, *longs)
+
     rows = [{"source": s, "scheme": q, "new": n, "estimate": estimate(s, paths[s], q, n)}
-            for s in paths for n in ((NEW, long) if s in LONG_SOURCES and long else (NEW,)) for q in schemes]
+            for s in paths for n in lengths(s) for q in schemes]
 
     def run(row: dict) -> dict:
         row["measured"] = run_fresh(__file__, ["--child", row["source"], str(paths[row["source"]]), row["scheme"],
@@ -193,6 +199,7 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     parser.add_argument("--sources", nargs="+", default=list(SOURCES))
     parser.add_argument("--long", type=int, default=LONG, help="new tokens of the long-generation rows (0: none)")
+    parser.add_argument("--long-only", action="store_true", help="only the long-generation rows")
     parser.add_argument("--jobs", type=int, default=2, help="fresh processes at a time")
     parser.add_argument("--json", action="store_true", help="one JSON object of every row instead of the table")
     parser.add_argument("--child", nargs=4, metavar=("SOURCE", "PATH", "SCHEME", "NEW"), help=argparse.SUPPRESS)
@@ -202,7 +209,7 @@ def main() -> None:
         return
     written = write_sources(args.workdir, args.layers, args.bert_layers, args.bert_hidden, args.sources)
     paths = {s: p for s, p in written.items() if s in args.sources}
-    rows = measure(paths, args.schemes, args.jobs, args.long)
+    rows = measure(paths, args.schemes, args.jobs, args.long, args.long_only)
     if args.json:
         print(json.dumps({"rows": rows, "bound": BOUND}))
         return

@@ -84,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
                         else "To exit, press 'Enter' on an empty prompt.")
     print(f"Now chatting with {config.name}.\n{exit_instruction}\n", flush=True)
     _seed()
-    with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report):
+    from lightning_lowmem.litgpt.kv_cache import unwrap_model
+    from lightning_lowmem.memory.heap import handing_back_heap
+
+    with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report), \
+            handing_back_heap(unwrap_model(model)):  # as generate(): each step's freed transients out of RSS
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
                  fabric=Console(device), temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,

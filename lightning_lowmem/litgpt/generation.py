@@ -31,6 +31,7 @@ from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv
 from lightning_lowmem.litgpt.prompt_style import styled_prompt
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
+from lightning_lowmem.memory.heap import handing_back_heap
 from lightning_lowmem.quantize import QuantScheme, module_nbytes
 from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
@@ -300,6 +301,16 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
     if seed is not None:
         torch.manual_seed(seed)
     trim_bnb_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
+    with handing_back_heap(model):  # each step's freed transients (they grow with the positions) out of RSS
+        _samples(model, ids, result, total, eos_id, num_samples, sampling, on_sample, litgpt_generate)
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(t) for t in result.new_tokens]
+
+
+def _samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, total: int, eos_id: int | None,
+             num_samples: int, sampling: dict[str, Any], on_sample: Callable[[int, torch.Tensor, float], None] | None,
+             litgpt_generate: Callable[..., torch.Tensor]) -> None:
+    """``num_samples`` runs of litgpt's generate loop, the caches set up for each (the first allocates)."""
     for _ in range(num_samples):
         setup_kv_cache(model, 1, total, device=ids.device)  # the first sample allocates, the others reuse (zeroed)
         t0 = time.perf_counter()
@@ -308,8 +319,6 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
         result.tokens.append(tokens)
         if on_sample is not None:
             on_sample(len(result.tokens) - 1, tokens[ids.numel():], result.seconds[-1])
-    if tokenizer is not None:
-        result.texts = [tokenizer.decode(t) for t in result.new_tokens]
 
 
 def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:
