@@ -156,9 +156,27 @@ def format_names(names: Iterable[str], limit: int = 10, *, quote: bool = True, s
 
 
 class KVCacheTooShortError(LowMemError, ValueError):
-    """A generation request needs more KV-cache positions (or a larger batch) than a fixed cache holds."""
+    """A generation request needs more KV-cache positions (or a larger batch) than a fixed cache holds.
+
+    What is raised is one of its three subclasses, each also the type litgpt raises in the same place, so that code
+    written for litgpt (``except IndexError``) catches it as before."""
 
     def __init__(self, message: str, *, needed: int, available: int) -> None:
         super().__init__(message)
         self.needed = needed
         self.available = available
+
+
+class KVCachePositionError(KVCacheTooShortError, IndexError):
+    """A forward writes positions past the KV cache (litgpt: an ``IndexError`` from its mask lookup)."""
+
+
+class KVCacheBatchError(KVCacheTooShortError, RuntimeError, AssertionError):
+    """A forward has more sequences than the KV cache holds. litgpt raises torch's ``RuntimeError`` from
+    ``index_copy_`` there (positions of shape ``(T,)``), or a bare ``AssertionError`` (positions ``(B, T)``): this is
+    both."""
+
+
+class KVCacheLengthError(KVCacheTooShortError, NotImplementedError):
+    """A generation request is longer than the model's ``max_seq_length`` (litgpt's ``generate``:
+    ``NotImplementedError``, whose words its message starts with)."""

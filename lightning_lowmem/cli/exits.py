@@ -137,9 +137,9 @@ def in_flags(message: str, flags: Mapping[str, tuple[str, str]]) -> str:
 
 def print_error(error: BaseException, flags: Mapping[str, tuple[str, str]] | None = None) -> None:
     """``error: <type>: <message>`` on stderr, Python keywords that are ``flags`` spelled as flags (:func:`in_flags`)."""
-    print(f"error: {type(error).__name__}: {in_flags(str(error), flags or {})}", file=sys.stderr)
+    print(f"error: {type(error).__name__}: {in_flags(str(error), flags or {})}", file=sys.stderr, flush=True)
 
 
 def print_interrupted() -> None:
     """The one line a Ctrl-C leaves on stderr."""
-    print(LINE, file=sys.stderr)
+    print(LINE, file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ As litgpt 0.5.13's ``litgpt/generate/base.py:main``: the directory's prompt styl
 config's name) is applied to
 the prompt with ``--sys_prompt``; the generator is seeded with 1234; generation stops at
 the tokenizer's ``eos_id``; each sample's ``tokenizer.decode`` goes to stdout and the
-timings to stderr. The model is streamed in (quantized on load, on CPU too) and the KV
+timings to stderr. Unlike ``litgpt generate``, stdout holds each sample's reply without the (styled) prompt, as
+litgpt's ``LLM.generate`` returns it. The model is streamed in (quantized on load, on CPU too) and the KV
 caches are sized to prompt + ``--max_new_tokens`` by :func:`lightning_lowmem.litgpt.generate`.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_lowmem.cli.exits import EXIT_OK, exit_codes
 from lightning_lowmem.cli.options import (
@@ -67,18 +69,22 @@ def run(args: argparse.Namespace) -> int:
     check_budgets(args, args.parser)
     found = LitgptCheckpoint.find(Path(args.checkpoint), config_argument(args.config), args.weights,
                                   verify=args.verify_weight_sets, entry=args.entry)
+    tokenizer = found.tokenizer
+
+    def print_sample(i: int, new: Any, seconds: float) -> None:
+        """Each sample's reply (as litgpt's LLM.generate returns it) and time, as soon as it is made."""
+        print(tokenizer.decode(new) if tokenizer is not None else " ".join(str(t) for t in new.tolist()), flush=True)
+        print(f"Time for inference {i + 1}: {seconds:.02f} sec total, {new.numel() / seconds:.02f} tokens/sec",
+              file=sys.stderr, flush=True)
+
+    def print_report(report: Any) -> None:
+        print(report, file=sys.stderr, flush=True)  # now, to a file or a pipe too (2> file), not at exit
+
     result = generate(found, args.prompt, sys_prompt=args.sys_prompt,  # styled as litgpt styles it, by generate()
                       max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, quantize=args.quantize, precision=args.precision,
                       num_samples=args.num_samples, device=None if args.max_memory else default_device(args.device),
                       max_memory=args.max_memory, disk_offload=args.disk_offload or None, seed=SEED,
-                      compile=args.compile)
-    if result.load_report is not None:
-        print(result.load_report, file=sys.stderr)
-    for i, tokens in enumerate(result.tokens):
-        print(result.texts[i] if result.texts is not None else " ".join(str(t) for t in tokens.tolist()), flush=True)
-        new, seconds = tokens.numel() - result.prompt_length, result.seconds[i]
-        print(f"Time for inference {i + 1}: {seconds:.02f} sec total, {new / seconds:.02f} tokens/sec",
-              file=sys.stderr)
-    print(f"Memory: {result.memory}", file=sys.stderr)
+                      compile=args.compile, on_load=print_report, on_sample=print_sample)
+    print(f"Memory: {result.memory}", file=sys.stderr, flush=True)
     return EXIT_OK

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     model, _, report = load_for_generation(found, options=LoadOptions(skip_quantize=skip, prefer=args.weights),
                                            quantize=args.quantize,
                                            precision=args.precision, device=default_device(args.device))
-    print(report, file=sys.stderr)
+    print(report, file=sys.stderr, flush=True)  # before the save, not at exit
     with tempfile.TemporaryDirectory(prefix="lowmem-tokenizer-") as scratch:
         copied = _beside(found, Path(scratch))
         files = save_checkpoint(model, out, max_shard_size=args.max_shard_size, overwrite=args.overwrite,

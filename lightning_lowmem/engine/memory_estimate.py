@@ -64,6 +64,7 @@ from lightning_lowmem.engine.stream import path_device
 from lightning_lowmem.engine.whole_reads import whole_reads
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
+from lightning_lowmem.memory.heap import GENERATION_TRIM_AT
 from lightning_lowmem.placement import PlacementPlan, architecture_of
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.transfer import block_nbytes
@@ -98,6 +99,7 @@ class MemoryEstimate:
     imports: int = 0
     load_transient: int = 0
     tokenizer: int = 0
+    heap: int = 0
     staging: int = 0
     pinned: int = 0
     disk_weights: int = 0
@@ -127,7 +129,7 @@ class MemoryEstimate:
     @property
     def generate_peak(self) -> int:
         return (self.weights + self.pinning + self.library + self.imports + self.tokenizer + self.caches
-                + self.activations + self.dequantized + self.runtime + self.disk_buffers)
+                + self.activations + self.dequantized + self.runtime + self.heap + self.disk_buffers)
 
     @property
     def seconds_per_token(self) -> float | None:
@@ -165,9 +167,11 @@ class MemoryEstimate:
         return [(f"weights ({self.params / 1e6:.1f}M params{quant})", self.weights),
                 (f"KV cache ({self.batch_size} x {self.max_seq_length} positions)", self.kv_cache),
                 ("mask", self.mask), ("RoPE", self.rope),
-                (f"activations (prefill of {self.prompt_length} tokens, approx.)", self.activations),
+                (f"activations (prefill of {self.prompt_length} tokens, or a step over {self.max_seq_length}, "
+                 "approx.)", self.activations),
                 ("first forward of the largest quantized Linear", self.dequantized),
                 ("runtime (first forward: kernels, allocator)", self.runtime),
+                *([("freed heap a generation keeps (at most)", self.heap)] if self.heap else []),
                 (f"{self.quantize or 'quantization'} library (import, first kernel call)", self.library),
                 *([("  of which the load holds (its import)", self.library_import)] if self.library else []),
                 *([("imports of the load (transformers' model classes)", self.imports)] if self.imports else []),
@@ -248,7 +252,11 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         architecture = architecture_of(prepared.module)
         caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype, rope_dtype)
         est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
-        est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype)
+        est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype,
+                                                        length=max_seq_length)
+        est.heap = GENERATION_TRIM_AT  # what a generation's freed transients may keep resident, at most
+        est.notes.append(f"upper bound: the freed heap a generation keeps (up to {format_bytes(est.heap)}: more is "
+                         "handed back after the forward that freed it)")
     return est
 
 

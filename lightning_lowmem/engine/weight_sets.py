@@ -19,7 +19,9 @@ Headers and samples agreeing, without ``verify_weight_sets``: the set whose name
 is read (no conversion), else the first in the documented order
 (:data:`~lightning_lowmem.formats.discovery.WEIGHT_ORDER`), with an
 :class:`~lightning_lowmem.errors.UnverifiedWeightsWarning` naming both sets and how to choose (``prefer=``,
-``--weights``) or compare them (``verify_weight_sets=True``, ``--verify_weight_sets``).
+``--weights``) or compare them (``verify_weight_sets=True``, ``--verify_weight_sets``). The Hub's own layout,
+``model.safetensors`` (or its sharded index) beside ``pytorch_model.bin`` (or its index), is read as transformers'
+``from_pretrained`` reads it, the safetensors, quietly: the load's one line at INFO says why, the rest unread.
 """
 
 from __future__ import annotations
@@ -122,10 +124,25 @@ def choose_set(path: Path, module: nn.Module | None, prefer: str | None, stack: 
             return Choice(chosen.ckpt, chosen.set.path,
                           f"{chosen.set.path}: {reason}; {_verified(path, chosen, others)}")
         names = format_names((v.set.name for v in others), quote=False)
+        if _hub_pair(chosen, others):  # the Hub's own layout: read quietly, as from_pretrained reads it (the load logs why)
+            return Choice(chosen.ckpt, chosen.set.path,
+                          f"{chosen.set.path}: the weights transformers' from_pretrained reads; {names} beside it "
+                          "agrees by names, shapes, dtypes and sampled bytes, the rest unread (verify_weight_sets=True "
+                          "checks every byte)")
         warnings.warn(_unverified_message(path, chosen, others, reason), UnverifiedWeightsWarning, stacklevel=2)
         return Choice(chosen.ckpt, chosen.set.path,
                       f"{chosen.set.path}: {reason}; {names} in {path} not compared byte for byte (names, shapes, "
                       "dtypes and sampled bytes agree; verify_weight_sets=True compares every byte)")
+
+
+HUB_PAIR = ({"model.safetensors", "model.safetensors.index.json"}, {"pytorch_model.bin", "pytorch_model.bin.index.json"})
+"""The two files of one model as the Hub serves it (transformers' ``save_pretrained`` in both formats)."""
+
+
+def _hub_pair(chosen: _View, others: list[_View]) -> bool:
+    """Whether ``chosen`` and ``others`` are the Hub's two files of one model, the safetensors chosen: transformers'
+    ``from_pretrained`` reads the safetensors one without a word, so a load that agrees with it says at most one line."""
+    return len(others) == 1 and chosen.set.name in HUB_PAIR[0] and others[0].set.name in HUB_PAIR[1]
 
 
 def _open_sets(directory: Path, sets: list[WeightSet], stack: contextlib.ExitStack) -> dict[WeightSet, Checkpoint]:

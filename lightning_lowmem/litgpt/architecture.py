@@ -58,17 +58,27 @@ class LitgptArchitecture(Architecture):
                           rope=(cos.numel() + sin.numel()) * (rope_dtype or dtype).itemsize,
                           length=length, batch_size=batch_size, dtype=dtype)
 
-    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
-        """A prefill of ``tokens`` tokens: ``B x T x (vocab + 4 x n_embd + qkv width + MLP width) x itemsize``
-        + the attention scores ``B x n_head x T x T`` in fp32 + the fp32 logits ``B x T x vocab x 4``
-        (Fabric's precision plugin returns fp32 outputs)."""
+    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype,
+                         length: int | None = None) -> int:
+        """The larger of a prefill of ``tokens`` tokens and a decode step over ``length`` positions (default
+        ``tokens``). A forward of T tokens attending over L positions: ``B x T x (vocab + 4 x n_embd + qkv width + MLP
+        width) x itemsize`` + the attention scores ``B x n_head x T x L`` in fp32 + the fp32 logits ``B x T x vocab x
+        4`` (Fabric's precision plugin returns fp32 outputs) + the keys and values litgpt repeats for each query head
+        over the L positions, ``2 x B x n_head x L x head_size x itemsize``, where a key-value head serves several
+        (grouped-query attention; it grows with every token decoded)."""
         config = _gpt(module).config
         qkv = (config.n_head + 2 * config.n_query_groups) * config.head_size
         mlp_factor = 1 if config.mlp_class_name == "GptNeoxMLP" else 2
         mlp = getattr(config, "intermediate_size", 4 * config.n_embd) * mlp_factor
-        b, t, vocab = batch_size, tokens, config.padded_vocab_size
-        return (b * t * (vocab + 4 * config.n_embd + qkv + mlp) * dtype.itemsize
-                + b * config.n_head * t * t * 4 + b * t * vocab * 4)
+        b, vocab = batch_size, config.padded_vocab_size
+        repeats = config.n_query_groups not in (config.n_head, 1)  # litgpt's CausalSelfAttention, with a KV cache
+
+        def forward(t: int, positions: int) -> int:
+            kv = 2 * b * config.n_head * positions * config.head_size * dtype.itemsize if repeats else 0
+            return (b * t * (vocab + 4 * config.n_embd + qkv + mlp) * dtype.itemsize
+                    + b * config.n_head * t * positions * 4 + b * t * vocab * 4 + kv)
+
+        return max(forward(tokens, tokens), forward(1, max(length or tokens, tokens)))
 
     def before_load(self, module: nn.Module, device: torch.device) -> list[str]:
         """Drop the RoPE tables to zero rows: they are built when first used, at the length used, in the dtype the

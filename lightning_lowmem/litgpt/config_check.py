@@ -106,7 +106,8 @@ def check_config_fits(config: Any, records: Mapping[str, TensorRecord], files: s
     seen += _widths(config, records)
     if seen:
         key, value, says = seen[0]
-        more = f" (and {len(seen) - 1} more: {', '.join(k for k, _, _ in seen[1:])})" if len(seen) > 1 else ""
+        others = list(dict.fromkeys(k for k, _, _ in seen[1:] if k != key))  # each key once
+        more = f" (the tensors contradict {', '.join(others)} too)" if others else ""
         raise CheckpointMismatchError(
             f"The litgpt config says {key}: {value}, but the checkpoint's tensors hold {says}{more}; {files} is for "
             "another model configuration, and no model was built. Use the config the checkpoint was saved with "

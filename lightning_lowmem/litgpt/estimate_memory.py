@@ -35,6 +35,7 @@ from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_
 from lightning_lowmem.litgpt.gguf import GGUF_IMPORT_BYTES
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.litgpt.rope import generation_rope_dtype
+from lightning_lowmem.litgpt.tokenizer_size import directory_tokenizer_nbytes
 from lightning_lowmem.formats.read_speed import measure_read_speed
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.placement import PlacementPlan, build_meta_model
@@ -66,8 +67,10 @@ def estimate_memory(
         options: :class:`~lightning_lowmem.LoadOptions`; the keyword arguments override its fields.
         dtype: the weights' and caches' dtype (``generate``'s ``precision``); default bf16, as ``generate``'s.
         quantize: as :func:`~lightning_lowmem.load_checkpoint`.
-        max_seq_length: positions to hold: prompt + max_new_tokens; default: the model's block size.
-        prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length``.
+        max_seq_length: positions to hold: prompt + max_new_tokens; default: what ``generate`` holds with its
+            defaults, ``prompt_length`` (default 64) + 50 new tokens, within the block size (a note says so).
+        prompt_length: tokens in the prompt (for the prefill activations); default ``max_seq_length`` (64 without
+            it).
         config: the litgpt config of a checkpoint without ``model_config.yaml``: a litgpt model name
             (``"pythia-1b"``), a ``Config``, or the path of a ``model_config.yaml``.
         runtime: bytes the first forward costs beyond its tensors; default: measured on CPU.
@@ -101,7 +104,7 @@ def estimate_memory(
     with contextlib.ExitStack() as stack:
         model, source, name, tokenizer = _model_and_source(source, config, options, stack)
         is_litgpt = _is_config(getattr(model, "config", None))
-        length = max_seq_length or (model.config.block_size if is_litgpt else 0)
+        length, prompt_length, defaults = _lengths(model.config if is_litgpt else None, max_seq_length, prompt_length)
         if is_litgpt and length > model.config.block_size:
             raise ValueError(f"max_seq_length={length} is past the model's block size ({model.config.block_size}); "
                              f"ask for prompt + max_new_tokens <= {model.config.block_size}.")
@@ -111,11 +114,14 @@ def estimate_memory(
         prepared = prepare_load(model, source, options, check_keys=False)
         note = _read_bandwidth(prepared.placement, source, read_bandwidth)
         reads_gguf = source.checkpoint is not None and source.checkpoint.gguf is not None
+        held = prepared.selection.scheme if prepared.selection is not None else None  # on load, or as stored
     est = estimate_prepared(prepared, model=name, dtype=options.dtype, batch_size=options.batch_size,
-                            max_seq_length=length, prompt_length=prompt_length or length, runtime=runtime,
-                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, options.scheme),
+                            max_seq_length=length, prompt_length=prompt_length, runtime=runtime,
+                            with_caches=is_litgpt, rope_dtype=generation_rope_dtype(options.dtype, held),
                             with_transformers=(is_litgpt and reads_gguf) or None)
     est.tokenizer = tokenizer
+    if defaults:
+        est.notes.append(defaults)
     if is_litgpt and reads_gguf:
         est.imports = GGUF_IMPORT_BYTES
         est.notes.append("upper bound: the imports a GGUF load into litgpt's model does (transformers' model classes, "
@@ -129,6 +135,27 @@ def estimate_memory(
     if speed := cpu_speed_note(options.quantize, execution_device(options, default_device())):
         est.notes.append(speed)
     return est
+
+
+DEFAULT_PROMPT = 64
+"""Tokens of the prompt the estimate sizes when no length is given (the benchmarks' prompts: docs/generation.md)."""
+DEFAULT_NEW_TOKENS = 50
+"""``generate``'s ``max_new_tokens`` default, and the command's."""
+
+
+def _lengths(config: Any | None, max_seq_length: int | None, prompt_length: int | None) -> tuple[int, int, str]:
+    """``(positions, prompt tokens, a note)``: those given; without ``max_seq_length``, what ``generate`` holds with its
+    defaults, ``prompt_length`` (64 when not given) + 50 new tokens, within the block size, and a note saying so."""
+    if max_seq_length is not None or config is None:
+        length = max_seq_length or 0
+        return length, prompt_length or length, ""
+    block = config.block_size
+    prompt = min(prompt_length or DEFAULT_PROMPT, max(1, block - DEFAULT_NEW_TOKENS))
+    length = min(prompt + DEFAULT_NEW_TOKENS, block)
+    given = "the prompt given" if prompt_length else f"a {prompt}-token prompt"
+    return length, prompt, (f"no lengths given: sized for what generate holds with its defaults, {given} + "
+                            f"{DEFAULT_NEW_TOKENS} new tokens ({length} positions; the model's context is {block}); "
+                            "pass max_seq_length= and prompt_length= (--max_seq_length, --prompt_length) for a request")
 
 
 def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: float | None) -> str:
@@ -149,8 +176,8 @@ def _read_bandwidth(placement: PlacementPlan | None, source: Source, given: floa
 def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
                       stack: contextlib.ExitStack) -> tuple[nn.Module, Source, str, int]:
     """The meta-built litgpt model (a stand-in module without a config), the resolved source to plan from (opened
-    on ``stack``), a name for the estimate, and the bytes of the tokenizer a GGUF file's vocabulary becomes (0 for
-    other checkpoints). The weights and the config are found as ``generate`` finds them."""
+    on ``stack``), a name for the estimate, and the bytes of the tokenizer ``generate`` builds (a GGUF file's
+    vocabulary, a directory's ``tokenizer.json``; 0 without one). The weights and the config are found as ``generate`` finds them."""
     source = _named_config(source)
     if _is_config(source):
         model = build_meta_gpt(source)
@@ -167,6 +194,8 @@ def _model_and_source(source: Any, config: Any | None, options: LoadOptions,
         from lightning_lowmem.litgpt.gguf_tokenizer import tokenizer_nbytes
 
         tokenizer = tokenizer_nbytes(resolved_source.checkpoint.gguf.layout.arrays, found.gguf.hf_config.model_type)
+    elif model is not None:  # and the directory's tokenizer, as litgpt's Tokenizer holds it
+        tokenizer = directory_tokenizer_nbytes(found.directory)
     if model is None:  # no litgpt model: the one its family's config describes (transformers'), else a stand-in
         return _other_model(found, resolved_source, str(source), options, stack) + (tokenizer,)
     return model, resolved_source, found.config.name, tokenizer

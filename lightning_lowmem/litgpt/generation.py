@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from lightning_lowmem.litgpt.prompt_style import styled_prompt
 from lightning_lowmem.litgpt.request import check_request
 from lightning_lowmem.litgpt.requirement import import_litgpt
 from lightning_lowmem.memory import MemoryMonitor, format_bytes
+from lightning_lowmem.memory.heap import handing_back_heap
 from lightning_lowmem.quantize import QuantScheme, module_nbytes
 from lightning_lowmem.quantize.cpu_speed import cpu_speed_note
 from lightning_lowmem.quantize.bnb import trim_bnb_after_first_forward
@@ -78,7 +80,8 @@ class GenerateResult:
     Attributes:
         tokens: one tensor per sample: the prompt followed by the new tokens.
         prompt_length: tokens in the prompt.
-        texts: the decoded samples when a tokenizer was found, else None.
+        texts: each sample's reply, its new tokens decoded (not the prompt), as litgpt's ``LLM.generate`` returns it,
+            when a tokenizer was found; else None.
         seconds: wall time of each sample's generation.
         memory: weights, caches and peaks.
         load_report: what the load did, or None when a loaded model was passed.
@@ -195,6 +198,8 @@ def generate(
     compile: bool = False,
     sys_prompt: str | None = None,
     prompt_style: Any = "auto",
+    on_load: Callable[[LoadReport], None] | None = None,
+    on_sample: Callable[[int, torch.Tensor, float], None] | None = None,
     **load_options: Any,
 ) -> GenerateResult:
     """Load a checkpoint (or take a loaded litgpt model) and generate ``max_new_tokens`` after ``prompt``.
@@ -228,6 +233,10 @@ def generate(
             GGUF file's chat template, else litgpt's style for the config's name;
             :mod:`~lightning_lowmem.litgpt.prompt_style`); None: the text as given; a litgpt style's name
             (``"alpaca"``) or a ``litgpt.prompts.PromptStyle``. Token ids are never styled.
+        on_load: called with the load report as soon as the load ends, before any token is generated (the command
+            line prints it then); not called for a model passed in.
+        on_sample: called after each sample with its index, its new tokens and its seconds, before the next one
+            starts (the command line prints the reply then).
         load_options: any other :class:`~lightning_lowmem.LoadOptions` field as a keyword: see its attributes. With
             ``max_memory`` (budgets instead of ``device``) the placement reserves this request's KV caches (prompt +
             ``max_new_tokens``); with ``disk_offload`` too, the layers that fit no budget are read from the file for
@@ -273,18 +282,22 @@ def generate(
             model = unwrap_model(checkpoint)
         else:
             model, report = load_litgpt(found, options)
+            if on_load is not None:
+                on_load(report)
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
             device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
             decoding = compiled_decoding(device, blocked_by=compile_blocker(report, model)) if compile else None
             with decoding if decoding is not None else contextlib.nullcontext():
-                _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed, sampling)
+                _run_samples(model, ids.to(device), result, tokenizer, max_new_tokens, num_samples, seed, sampling,
+                             on_sample)
     result.memory = _memory(model, monitor, report)
     return result
 
 
 def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, tokenizer: Any | None,
-                 max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any]) -> None:
+                 max_new_tokens: int, num_samples: int, seed: int | None, sampling: dict[str, Any],
+                 on_sample: Callable[[int, torch.Tensor, float], None] | None = None) -> None:
     litgpt_generate = import_litgpt("litgpt.generate.base", needed_by="lightning_lowmem.generate()").generate
 
     total = ids.numel() + max_new_tokens
@@ -292,14 +305,24 @@ def _run_samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, to
     if seed is not None:
         torch.manual_seed(seed)
     trim_bnb_after_first_forward(model)  # also for bitsandbytes layers quantized elsewhere
+    with handing_back_heap(model):  # each step's freed transients (they grow with the positions) out of RSS
+        _samples(model, ids, result, total, eos_id, num_samples, sampling, on_sample, litgpt_generate)
+    if tokenizer is not None:
+        result.texts = [tokenizer.decode(t) for t in result.new_tokens]
+
+
+def _samples(model: nn.Module, ids: torch.Tensor, result: GenerateResult, total: int, eos_id: int | None,
+             num_samples: int, sampling: dict[str, Any], on_sample: Callable[[int, torch.Tensor, float], None] | None,
+             litgpt_generate: Callable[..., torch.Tensor]) -> None:
+    """``num_samples`` runs of litgpt's generate loop, the caches set up for each (the first allocates)."""
     for _ in range(num_samples):
         setup_kv_cache(model, 1, total, device=ids.device)  # the first sample allocates, the others reuse (zeroed)
         t0 = time.perf_counter()
         tokens = litgpt_generate(model, ids, total, eos_id=eos_id, **sampling)
         result.seconds.append(time.perf_counter() - t0)
         result.tokens.append(tokens)
-    if tokenizer is not None:
-        result.texts = [tokenizer.decode(t) for t in result.tokens]
+        if on_sample is not None:
+            on_sample(len(result.tokens) - 1, tokens[ids.numel():], result.seconds[-1])
 
 
 def _memory(model: nn.Module, monitor: MemoryMonitor, report: LoadReport | None) -> GenerationMemory:

@@ -29,18 +29,13 @@ from typing import Any
 import torch
 
 from lightning_lowmem.litgpt.requirement import import_litgpt
+from lightning_lowmem.litgpt.tokenizer_size import entries_nbytes
 from lightning_lowmem.memory.heap import release_free_heap
 
 Tokenizer = import_litgpt("litgpt.tokenizer", needed_by="A GGUF file's tokenizer").Tokenizer
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_ENTRY_BYTES = 220
-"""Resident bytes per vocabulary entry (a token or a merge) of a tokenizer built here, once the heap its building
-freed was handed back: 216, 188 and 229 bytes measured for byte-level BPE vocabularies of 32k, 49k and 131k tokens
-with their merges."""
-TOKENIZER_SETUP_BYTES = 5 * 2**20
-"""What building the first one costs beyond its entries (measured: 5-6 MiB)."""
 SPECIAL_TOKENS = ("bos", "eos", "unk", "pad")
 """The special tokens a GGUF file names by id (``tokenizer.ggml.<name>_token_id``) and a chat template may use."""
 END_OF_TURN = ("eos", "eot", "eom")
@@ -93,8 +88,7 @@ def tokenizer_nbytes(arrays: Mapping[str, Any], model_type: str) -> int:
 
     if "tokenizer.ggml.tokens" not in arrays or model_type not in GGUF_TO_FAST_CONVERTERS:
         return 0
-    entries = sum(len(arrays[k]) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if k in arrays)
-    return entries * TOKENIZER_ENTRY_BYTES + TOKENIZER_SETUP_BYTES
+    return entries_nbytes(sum(len(arrays[k]) for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if k in arrays))
 
 
 def _litgpt_tokenizer(fast: Any, settings: dict[str, Any], name: str) -> GGUFTokenizer:

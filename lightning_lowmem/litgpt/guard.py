@@ -9,7 +9,8 @@ litgpt's ``GPT`` answers a position past its KV cache with a bare
   the tables have (a precision plugin's conversion, ``model.to(dtype)``, converted
   the short ones too: see :mod:`lightning_lowmem.litgpt.rope`), and
 * raises :class:`KVCacheTooShortError`, with the lengths, for positions or a
-  batch the KV cache cannot hold.
+  batch the KV cache cannot hold: a :class:`KVCachePositionError` (an ``IndexError``, as litgpt's own) or a
+  :class:`KVCacheBatchError` (a ``RuntimeError``, as torch's ``index_copy_`` raises it under litgpt).
 
 Inside a compiled forward (``generate(compile=True)``'s decode step) it does nothing: its checks read tensor
 values, which would split the graph, and the caches were sized to the request before the loop.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_lowmem.errors import KVCacheTooShortError
+from lightning_lowmem.errors import KVCacheBatchError, KVCachePositionError
 from lightning_lowmem.litgpt.rope import drop_rope, is_litgpt_like, own_dtype, set_max_seq_length, set_rope
 
 
@@ -85,7 +86,7 @@ def _check_cached(model: nn.Module, batch: int, input_pos: torch.Tensor, maxp1: 
     capacity = mask.size(-1)
     needed = int(maxp1) if maxp1 is not None else int(input_pos.max()) + 1
     if needed > capacity:
-        raise KVCacheTooShortError(
+        raise KVCachePositionError(
             f"This forward writes KV-cache position {needed - 1}, but the KV cache holds {capacity} positions "
             f"(it was set up for {capacity} = prompt + max_new_tokens, or fixed at that size). Set the caches up "
             f"for at least {needed} positions (lightning_lowmem.setup_kv_cache(model, batch_size, {needed})), "
@@ -94,7 +95,7 @@ def _check_cached(model: nn.Module, batch: int, input_pos: torch.Tensor, maxp1: 
         )
     cache = next((b.attn.kv_cache for b in getattr(model.transformer, "h", []) if b.attn.kv_cache is not None), None)
     if cache is not None and batch > cache.k.size(0):
-        raise KVCacheTooShortError(
+        raise KVCacheBatchError(
             f"This forward has a batch of {batch} sequences, but the KV cache holds {cache.k.size(0)}. "
             f"Set the caches up for batch_size={batch}.",
             needed=batch, available=cache.k.size(0),

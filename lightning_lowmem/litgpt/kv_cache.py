@@ -27,7 +27,7 @@ from lightning_lowmem.devices import as_device, check_device_available
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.litgpt.guard import install_cache_guard
-from lightning_lowmem.litgpt.rope import is_litgpt_like, resize_rope
+from lightning_lowmem.litgpt.rope import generation_rope_dtype_of, is_litgpt_like, resize_rope
 from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import CacheBytes
 
@@ -77,6 +77,20 @@ def setup_kv_cache(
         >>> print(cache_bytes(model))
         KV cache 342.00 KiB (1 x 114 positions, torch.bfloat16), mask 12.69 KiB, RoPE 3.56 KiB
     """
+    return size_caches(model, batch_size, max_seq_length, device=device, dtype=dtype, rope_dtype=rope_dtype)
+
+
+def size_caches(model: nn.Module, batch_size: int, max_seq_length: int, *, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None, rope_dtype: torch.dtype | None = None, reuse: bool = True,
+                keep_max_seq_length: bool = False) -> int:
+    """:func:`setup_kv_cache`, and what :func:`~lightning_lowmem.patch_litgpt`'s ``set_kv_cache`` does.
+
+    Args:
+        reuse: a request that fits the caches there reuses them; False: caches of exactly ``batch_size`` x
+            ``max_seq_length``, as litgpt's ``set_kv_cache`` builds them (smaller ones too).
+        keep_max_seq_length: leave ``model.max_seq_length`` as it is (litgpt's ``set_kv_cache`` does not set it);
+            the RoPE tables still hold ``max_seq_length`` rows and grow when a forward needs more.
+    """
     model = unwrap_model(model)
     _check_request(model, batch_size, max_seq_length)
     for name, value in (("dtype", dtype), ("rope_dtype", rope_dtype)):
@@ -88,13 +102,14 @@ def setup_kv_cache(
     dtype = dtype or model_dtype(model)
     current = cache_bytes(model)
     with torch.inference_mode(False), torch.no_grad():
-        if _fits(model, current, batch_size, max_seq_length, device, dtype):
+        if reuse and _fits(model, current, batch_size, max_seq_length, device, dtype):
             for cache in kv_caches(model):
                 cache.k.zero_()
                 cache.v.zero_()
             return 0
         model.clear_kv_cache()  # free the old caches before allocating the new ones
-        resize_rope(model, max_seq_length, device, rope_dtype or _rope_dtype(model) or dtype)
+        resize_rope(model, max_seq_length, device, rope_dtype or _rope_dtype(model) or dtype,
+                    set_length=not keep_max_seq_length)
         _build_mask(model, max_seq_length, device)
         kept = _storages(model)
         _raw_set_kv_cache(model)(model, batch_size, max_seq_length=max_seq_length, device=device, dtype=dtype)
@@ -184,7 +199,10 @@ def _fits(model: nn.Module, current: CacheBytes, batch_size: int, length: int, d
 
 
 def _rope_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype of the model's RoPE tables now (None without floating tables)."""
+    """The dtype a model loaded for generation computes RoPE in, else that of its RoPE tables now (None without
+    floating tables)."""
+    if pinned := generation_rope_dtype_of(model):
+        return pinned
     table = getattr(model, "cos", None)
     return table.dtype if isinstance(table, torch.Tensor) and table.is_floating_point() else None
 

@@ -41,10 +41,11 @@ from torch import nn
 
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.engine import LoadOptions, load_checkpoint
-from lightning_lowmem.errors import KVCacheTooShortError
+from lightning_lowmem.errors import KVCacheLengthError, KVCachePositionError
 from lightning_lowmem.litgpt.guard import release_all_rope
 from lightning_lowmem.litgpt.checkpoint_dir import build_meta_gpt
-from lightning_lowmem.litgpt.kv_cache import model_device, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.kv_cache import model_device, size_caches, unwrap_model
+from lightning_lowmem.litgpt.rope import generation_rope_dtype_of
 from lightning_lowmem.litgpt.requirement import import_litgpt
 
 _ORIGINALS: dict[tuple[type, str], Any] = {}
@@ -138,8 +139,9 @@ def _set_kv_cache(original: Any) -> Any:
         # (fp32 after litgpt's max_seq_length setter, which `litgpt chat` calls first), so the numbers are litgpt's
         rope = getattr(self, "cos", None)
         rope_dtype = rope.dtype if isinstance(rope, torch.Tensor) and rope.is_floating_point() else None
-        setup_kv_cache(self, batch_size, max_seq_length or self.max_seq_length, device=device, dtype=dtype,
-                       rope_dtype=rope_dtype)
+        # as litgpt builds them: exactly this batch and length (smaller than before too), max_seq_length untouched
+        size_caches(self, batch_size, max_seq_length or self.max_seq_length, device=device, dtype=dtype,
+                    rope_dtype=generation_rope_dtype_of(self) or rope_dtype, reuse=False, keep_max_seq_length=True)
     return _mark(set_kv_cache, original)
 
 
@@ -166,12 +168,19 @@ def _llm_generate(original: Any) -> Any:
 
 
 def _prepare_llm_caches(llm: Any, needed: int) -> None:
-    """Size ``llm``'s caches to ``needed`` positions, or check that a fixed cache holds them."""
+    """Size ``llm``'s caches to ``needed`` positions, or check that a fixed cache holds them; a request litgpt would
+    refuse is refused with the type litgpt raises there."""
     model = unwrap_model(llm.model)
+    written = needed - 1  # the last new token is never written to the cache
+    if written > model.max_seq_length:  # litgpt's generate: NotImplementedError, before any forward
+        raise KVCacheLengthError(
+            f"max_seq_length {model.max_seq_length} needs to be >= {written}: this request needs {needed} positions "
+            f"(prompt + max_new_tokens), the model takes {model.max_seq_length}. Ask for fewer new tokens or "
+            "shorten the prompt.", needed=needed, available=model.max_seq_length)
     if llm.fixed_kv_cache_size or llm.generate_strategy is not None:
         capacity = model.mask_cache.size(-1) if getattr(model, "mask_cache", None) is not None else None
-        if capacity is not None and needed - 1 > capacity:  # the last new token is never written to the cache
-            raise KVCacheTooShortError(
+        if capacity is not None and written > capacity:  # litgpt: an IndexError from its mask lookup
+            raise KVCachePositionError(
                 f"This request needs {needed} KV-cache positions (prompt + max_new_tokens), but the cache is fixed "
                 f"at {capacity} (fixed_kv_cache_size={llm.fixed_kv_cache_size!r}, generate_strategy="
                 f"{llm.generate_strategy!r}). Ask for at most {capacity} positions in all, or call "
@@ -179,7 +188,8 @@ def _prepare_llm_caches(llm: Any, needed: int) -> None:
                 needed=needed, available=capacity,
             )
         return
-    setup_kv_cache(model, 1, needed, device=model_device(model), dtype=model_dtype(model))
+    size_caches(model, 1, min(needed, model.max_seq_length), device=model_device(model), dtype=model_dtype(model),
+                rope_dtype=generation_rope_dtype_of(model), keep_max_seq_length=True)
     llm.kv_cache_initialized = True
     # litgpt's generate reallocates when this is below the request; the caches now hold `needed` positions
     llm.prev_generated_seq_length = max(llm.prev_generated_seq_length, needed)

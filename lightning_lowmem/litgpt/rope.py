@@ -36,8 +36,28 @@ def own_dtype(model: nn.Module) -> torch.dtype:
 def generation_rope_dtype(dtype: torch.dtype, scheme: object | None) -> torch.dtype:
     """The dtype litgpt's own ``litgpt generate`` leaves its RoPE tables in: the precision's (``bf16-true`` converts
     them with the model), float32 when it quantizes with bitsandbytes (Lightning's ``BitsandbytesPrecision`` converts
-    no buffer: the tables stay as ``rope_cache()`` computed them)."""
-    return torch.float32 if str(getattr(scheme, "name", "")).startswith("bnb.") else dtype
+    no buffer: the tables stay as ``rope_cache()`` computed them).
+
+    Args:
+        scheme: the scheme the model's Linears hold, quantized on load or stored so (a saved bitsandbytes copy computes
+            as quantizing on load does), as a scheme or its name; None without one.
+    """
+    name = scheme if isinstance(scheme, str) else str(getattr(scheme, "name", ""))
+    return torch.float32 if name.startswith("bnb.") else dtype
+
+
+def pin_generation_rope_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Mark a model the library loaded for generation with the dtype its RoPE tables take whenever its caches are set up
+    (:func:`generation_rope_dtype`), whichever loop sets them up: ``generate()``'s, or litgpt's chat loop, whose
+    ``max_seq_length`` setter computes them again in float32 before each first turn. So ``lightning-lowmem chat``
+    computes as ``lightning-lowmem generate`` does."""
+    model.__dict__["_lowmem_generation_rope_dtype"] = dtype
+
+
+def generation_rope_dtype_of(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`pin_generation_rope_dtype` marked ``model`` with, or None (a model litgpt loaded: its tables keep
+    the dtype litgpt gave them)."""
+    return model.__dict__.get("_lowmem_generation_rope_dtype")
 
 
 def drop_rope(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
@@ -48,10 +68,13 @@ def drop_rope(model: nn.Module, device: torch.device, dtype: torch.dtype | None 
         setattr(model, name, torch.empty((0, *table.shape[1:]), dtype=dtype or table.dtype, device=device))
 
 
-def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Set ``model.max_seq_length = length`` with RoPE tables of exactly ``length`` rows in ``dtype`` on ``device``."""
+def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torch.dtype,
+                set_length: bool = True) -> None:
+    """Set ``model.max_seq_length = length`` with RoPE tables of exactly ``length`` rows in ``dtype`` on ``device``
+    (``set_length=False``: the tables only, ``max_seq_length`` left as it is)."""
     if not is_litgpt_like(model):
-        model.max_seq_length = length
+        if set_length:
+            model.max_seq_length = length
         for name in ("cos", "sin"):
             table = getattr(model, name, None)
             if isinstance(table, torch.Tensor):
@@ -59,7 +82,8 @@ def resize_rope(model: nn.Module, length: int, device: torch.device, dtype: torc
         return
     drop_rope(model, device)  # the old tables go before the new ones are computed
     set_rope(model, length, device, dtype)
-    set_max_seq_length(model, length)
+    if set_length:
+        set_max_seq_length(model, length)
 
 
 def rope_tables(model: nn.Module, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,8 +78,10 @@ class Architecture:
         none are known for a generic module."""
         return CacheBytes()
 
-    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype) -> int:
-        """A conservative estimate of the activations of a forward of ``tokens`` tokens.
+    def activation_bytes(self, module: nn.Module, batch_size: int, tokens: int, dtype: torch.dtype,
+                         length: int | None = None) -> int:
+        """A conservative estimate of the activations of a forward of ``tokens`` tokens (``length``, the positions a
+        model with a cache attends over, is not used for a generic module).
 
         Per layer (a block of the model's first ``nn.ModuleList``, or another top-level module):
         every output of its ``nn.Linear`` / ``nn.Embedding`` modules alive at once

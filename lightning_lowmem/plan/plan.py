@@ -231,9 +231,10 @@ def make_plan(
         if rec is None:
             plan.missing.append(names[0])
         elif rec.shape != tuple(tensor.shape):
-            origin = f"built from {format_names([p.key for p in parts])}" if parts else f"in {rec.file.name}"
-            bad_shapes.append(f"{rec.key!r} {origin}: checkpoint {list(rec.shape)}, "
-                              f"module {names[0]!r} {list(tensor.shape)}")
+            origin = f" built from {format_names([p.key for p in parts])}" if parts else ""
+            module_name = "" if names[0] == rec.key else f" {names[0]!r}"
+            bad_shapes.append(f"{rec.key!r}{origin}: checkpoint {list(rec.shape)}, "
+                              f"module{module_name} {list(tensor.shape)}")
         else:
             form = stored.get(rec.key) if not parts else None
             shard = shard_of(tensor)
@@ -247,11 +248,20 @@ def make_plan(
                        and not (key in stored and used.intersection(p.key for p in stored[key].parts))]
     if bad_shapes:
         raise CheckpointMismatchError(
-            f"{len(bad_shapes)} tensors of {files} do not have the module's shape: "
-            f"{format_names(bad_shapes, quote=False, sep='; ')}. The checkpoint is for a different model "
-            "configuration: build the module with the config the checkpoint was saved with."
+            f"{len(bad_shapes)} tensors of {files} do not have the module's shape: the checkpoint is for another "
+            f"model configuration. Build the module with the config the checkpoint was saved with.\n"
+            + _one_a_line(bad_shapes)
         )
     return plan
+
+
+def _one_a_line(items: list[str], limit: int = 10) -> str:
+    """At most ``limit`` items, one a line and indented, then ``... and N more``: a message's details under its
+    first line, which says what failed and what to do."""
+    lines = [f"  {item}" for item in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"  ... and {len(items) - limit} more")
+    return "\n".join(lines)
 
 
 def records_as_themselves(records: Mapping[str, TensorRecord], stored: Mapping[str, StoredForm]) -> dict[str, TensorRecord]:
@@ -339,25 +349,27 @@ def _combined(plan: LoadPlan, names: list[str], combine: Combine, records: Mappi
 
 
 def mismatch_message(plan: LoadPlan, missing: list[str] | None = None) -> str:
-    """What does not fit: ``missing`` (default: the plan's) and unexpected keys, and what to do."""
+    """What does not fit: ``missing`` (default: the plan's) and unexpected keys, and what to do: a first line that says
+    both, then the names, at most ten of each kind, one a line."""
     missing = plan.missing if missing is None else missing
     absent = [f"{key!r} for {name!r}" for key, name in plan.absent.items() if name in missing]
-    parts = [f"{plan.files} does not match the module:"]
+    counts = [f"{len(missing)} module tensors missing"] if missing else []
+    counts += [f"{len(plan.unexpected)} checkpoint keys with no place in the module"] if plan.unexpected else []
+    lines = [f"{plan.files} does not match the module ({', '.join(counts)}). Pass key_map= to rename checkpoint keys "
+             "(e.g. {'model.': ''}), or strict=False to load what matches and list the rest in the report."]
     if missing:
-        parts.append(f"{len(missing)} module tensors are missing from it ({format_names(missing)});")
+        lines += [f"{len(missing)} module tensors are missing from it:", _one_a_line([repr(n) for n in missing])]
     if absent:
-        parts.append(f"{len(absent)} keys they are built from are not in it ({format_names(absent, quote=False)}): "
-                     "the checkpoint is incomplete (fetch the missing files again) or of another model;")
+        lines += [f"{len(absent)} keys they are built from are not in it (the checkpoint is incomplete: fetch the "
+                  "missing files again; or of another model):", _one_a_line(absent)]
     if plan.unexpected:
-        parts.append(f"{len(plan.unexpected)} checkpoint keys have no place in the module "
-                     f"({format_names(plan.unexpected)}).")
+        lines += [f"{len(plan.unexpected)} checkpoint keys have no place in the module:",
+                  _one_a_line([repr(k) for k in plan.unexpected])]
     if plan.prefix_note:
-        parts.append(f"(A key prefix was guessed: {plan.prefix_note}.)")
+        lines.append(f"(A key prefix was guessed: {plan.prefix_note}.)")
     if plan.deferred:
-        parts.append(deferred_advice(plan.deferred))
-    parts.append("Pass key_map= to rename checkpoint keys (e.g. {'model.': ''}), or strict=False to load what "
-                 "matches and list the rest in the report.")
-    return " ".join(parts)
+        lines.append(deferred_advice(plan.deferred))
+    return "\n".join(lines)
 
 
 def deferred_advice(deferred: Mapping[str, str]) -> str:

@@ -63,6 +63,8 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -293,11 +295,26 @@ def make_scheme(name: str) -> QuantScheme:
     """
     cls = SCHEMES.get(name)
     if cls is None:
+        meant = meant_schemes(name)
+        hint = f" Did you mean {meant[0]!r}{f' (or {format_names(meant[1:])})' if meant[1:] else ''}?" if meant else ""
         raise UnsupportedQuantizationError(
-            f"Unknown quantization scheme {name!r}. Known schemes: {format_names(SCHEMES, limit=len(SCHEMES))}. "
+            f"Unknown quantization scheme {name!r}.{hint} Known schemes: {format_names(SCHEMES, limit=len(SCHEMES))}. "
             "Pass one of these as quantize=, or None to load in full precision."
         )
     return cls()
+
+
+def meant_schemes(name: str) -> list[str]:
+    """The registered spellings ``name`` most likely meant: those it is the scheme part of (``"nf4"``: ``bnb.nf4``,
+    then ``torchao.nf4``), else the closest by spelling.
+
+    Example::
+
+        >>> meant_schemes("int8"), meant_schemes("bnb.nf5")
+        (['bnb.int8'], ['bnb.nf4'])
+    """
+    bare = [known for known in SCHEMES if known.partition(".")[2].lower() == name.lower()]
+    return bare or difflib.get_close_matches(name, list(SCHEMES), n=1)
 
 
 def parse_scheme(quantize: str | QuantScheme | None) -> QuantScheme | None:

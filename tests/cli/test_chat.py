@@ -15,14 +15,34 @@ def _replies(stdout: str) -> list[str]:
     return re.findall(r">> Reply: (.*)", stdout)
 
 
-def test_same_replies_as_litgpt_chat(run_cli, litgpt_cli_stdout, chat_model_dir):
+def _ids(text: str) -> list[int]:
+    return [int(i) for i in re.findall(r"t(\d+)", text)]
+
+
+def test_same_replies_as_generate_turn_by_turn(run_cli, chat_model_dir):
+    """One generation loop: each turn's reply is what ``generate()`` gives for that prompt (litgpt's chat loop computes
+    RoPE as ``generate`` does, in bf16 here: litgpt's own chat computes it in float32 and answers otherwise here)."""
+    from lightning_lowmem import generate
+
     proc = run_cli("chat", chat_model_dir, "--max_new_tokens", "12", "--top_k", "1", stdin=TURNS)
     assert proc.returncode == 0, proc.stderr
-    expected = _replies(litgpt_cli_stdout("chat", chat_model_dir, stdin=TURNS, max_new_tokens=12, top_k=1))
-    assert len(expected) == 3 and all(expected)
-    assert _replies(proc.stdout) == expected
+    replies = [_ids(r) for r in _replies(proc.stdout)]
+    expected = [generate(chat_model_dir, turn, max_new_tokens=12, top_k=1).new_tokens[0].tolist()
+                for turn in TURNS.split("\n")[:3]]
+    assert len(replies) == 3 and all(replies)
+    assert replies == expected
     assert "Now chatting with pythia-tiny." in proc.stdout
     assert len(re.findall(r"Time for inference: [\d.]+ sec total", proc.stderr)) == 3
+
+
+def test_same_replies_as_litgpt_chat_in_float32(run_cli, litgpt_cli_stdout, chat_model_dir):
+    """In float32 (where litgpt's chat and generate compute RoPE alike) the replies are litgpt chat's, reply for reply."""
+    flags = dict(max_new_tokens=12, top_k=1, precision="32-true")
+    proc = run_cli("chat", chat_model_dir, *[f"--{k}={v}" for k, v in flags.items()], stdin=TURNS)
+    assert proc.returncode == 0, proc.stderr
+    expected = _replies(litgpt_cli_stdout("chat", chat_model_dir, stdin=TURNS, **flags))
+    assert len(expected) == 3 and all(expected)
+    assert _replies(proc.stdout) == expected
 
 
 def test_multiline_input_ends_with_submit(run_cli, litgpt_cli_stdout, chat_model_dir):
@@ -84,3 +104,19 @@ def test_compile_gives_the_same_replies_over_turns_of_other_lengths(run_cli, cha
     assert compiled.returncode == 0, compiled.stderr
     assert _replies(compiled.stdout) == _replies(eager.stdout) and len(_replies(eager.stdout)) == 3
     assert "compile=True" not in compiled.stderr
+
+
+def test_the_report_is_in_the_file_before_the_chat_starts(chat_model_dir, monkeypatch, tmp_path):
+    """``2> file``: the load report is in the file when the chat loop starts, not at exit."""
+    import io
+    import sys
+
+    import litgpt.chat.base
+
+    err_path, seen = tmp_path / "err", []
+    monkeypatch.setattr(litgpt.chat.base, "interact", lambda **kwargs: seen.append(err_path.read_text()))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))
+    with open(err_path, "w") as err:
+        monkeypatch.setattr(sys, "stderr", err)
+        assert main(["chat", str(chat_model_dir)]) == 0
+    assert len(seen) == 1 and "Loaded " in seen[0]

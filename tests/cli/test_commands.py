@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -135,8 +136,12 @@ def _interrupt_once_loaded(command: list[str], library: str, env: dict) -> subpr
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc to see what the command has loaded")
-@pytest.mark.parametrize("library", ["_multiarray_umath", "libtorch_cpu", "_flapack"],
-                         ids=["numpy", "torch", "scipy (under litgpt)"])
+@pytest.mark.parametrize("library", [
+    "_multiarray_umath", "libtorch_cpu",
+    pytest.param("_flapack", marks=pytest.mark.skipif(importlib.util.find_spec("scipy") is None,
+                                                      reason="scipy is not installed (nothing installs it for the "
+                                                             "tests; litgpt's imports load it only where it is)")),
+], ids=["numpy", "torch", "scipy (under litgpt)"])
 def test_ctrl_c_while_the_command_imports_is_one_line_and_exit_130(child_env, library):
     """A real SIGINT while numpy, torch (the package's own imports) or litgpt's (scipy, under the command's
     import of litgpt) load: the one line and 130, no traceback and no other error (numpy made a RecursionError of

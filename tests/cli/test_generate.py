@@ -21,8 +21,12 @@ def test_same_text_as_litgpt_generate(run_cli, litgpt_cli_stdout, chat_model_dir
     assert proc.returncode == 0, proc.stderr
     kwargs = {name.lstrip("-"): int(value) if value.isdigit() else value for name, value in zip(flags[::2], flags[1::2])}
     expected = litgpt_cli_stdout("generate", chat_model_dir, **kwargs).strip().splitlines()[-kwargs.get("num_samples", 1):]
-    assert proc.stdout.strip().splitlines() == expected
+    replies = proc.stdout.strip().splitlines()
+    assert len(replies) == len(expected) and all(replies)
+    # litgpt prints the styled prompt and the reply; this prints the reply (as litgpt's LLM.generate returns it)
+    assert all(whole.endswith(" " + reply) for whole, reply in zip(expected, replies))
     assert expected[0].startswith("t9 t0 t0")  # "t9 t11### Instruction:" styled as litgpt styles it
+    assert not replies[0].startswith("t9 t0 t0")
     assert len(re.findall(r"Time for inference \d: [\d.]+ sec total, [\d.]+ tokens/sec", proc.stderr)) == len(expected)
     assert "KV cache" in proc.stderr and "peak RSS" in proc.stderr
 
@@ -35,7 +39,7 @@ def test_hf_directory_of_any_name_finds_its_config_in_config_json(run_cli, pythi
                    "--precision", "32-true")
     assert proc.returncode == 0, proc.stderr
     expected = hf.generate(torch.tensor([[5, 17, 3, 99]]), max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert proc.stdout.split() == [str(t) for t in expected[0].tolist()]
+    assert proc.stdout.split() == [str(t) for t in expected[0, 4:].tolist()]  # the new ids, not the prompt's
 
 
 def test_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
@@ -45,7 +49,7 @@ def test_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_co
     assert "token ids like '1 2 3'" in capsys.readouterr().err
     assert read_recorder.keys == []
     assert main(["generate", str(directory), "--prompt", "1 2 3", "--max_new_tokens", "2", "--top_k", "1"]) == 0
-    assert capsys.readouterr().out.split()[:3] == ["1", "2", "3"] and read_recorder.keys  # ids: read and generated
+    assert len(capsys.readouterr().out.split()) == 2 and read_recorder.keys  # ids: read, and the 2 new ones printed
 
 
 def test_request_past_the_block_size_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
@@ -91,7 +95,7 @@ def test_disk_offload_without_budgets_or_with_a_device_is_a_bad_argument(chat_mo
 
 def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, monkeypatch, capsys):
     """``--prompt`` and ``--sys_prompt`` through the file's chat template; the ids are transformers'
-    apply_chat_template(tokenize=True) ids, and the text printed is the decoded prompt and reply."""
+    apply_chat_template(tokenize=True) ids, and the text printed is the decoded reply alone."""
     import litgpt.generate.base
     import transformers
 
@@ -106,8 +110,10 @@ def test_a_gguf_chat_model_is_prompted_with_its_own_template(gguf_chat_model, mo
                  "--max_new_tokens", "3", "--top_k", "1"]) == 0
     reference = transformers.AutoTokenizer.from_pretrained(gguf_chat_model.parent, gguf_file=gguf_chat_model.name)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
-    assert seen == [reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]]
-    assert "Be brief." in capsys.readouterr().out
+    prompt = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert seen == [prompt]
+    printed = capsys.readouterr().out
+    assert "Be brief." not in printed and printed.strip()
 
 
 @pytest.mark.slow
@@ -161,3 +167,29 @@ def test_the_api_and_the_command_give_one_request_the_same_tokens(request, monke
     tokenizer = LitgptCheckpoint.find(checkpoint).tokenizer
     assert raw.tokens[0][:raw.prompt_length].tolist() == tokenizer.encode(question).tolist() != \
         command[:api.prompt_length]
+
+
+def test_the_report_and_each_sample_are_in_the_files_when_written(chat_model_dir, monkeypatch, tmp_path):
+    """``2> file``: the load report is in the file before generation starts, each sample's reply and time before the
+    next sample starts (flushed as written, not at exit), with stdout and stderr as block-buffered files."""
+    import sys
+
+    import litgpt.generate.base
+
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    seen, real = [], litgpt.generate.base.generate
+
+    def spy(*args, **kwargs):
+        seen.append((out_path.read_text(), err_path.read_text()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(litgpt.generate.base, "generate", spy)
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        code = main(["generate", str(chat_model_dir), "--prompt", PROMPT, "--max_new_tokens", "5", "--num_samples",
+                     "2"])
+    assert code == 0 and len(seen) == 2
+    (out_1, err_1), (out_2, err_2) = seen
+    assert "Loaded " in err_1 and out_1 == "" and "Time for inference" not in err_1
+    assert len(out_2.splitlines()) == 1 and "Time for inference 1:" in err_2 and "Time for inference 2" not in err_2

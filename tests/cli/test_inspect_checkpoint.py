@@ -63,8 +63,7 @@ def test_a_checkpoint_that_does_not_fit_names_the_key_and_both_shapes(run_cli, t
     assert proc.returncode == 1
     assert "does not match (CheckpointMismatchError" in proc.stdout and "tensors     " in proc.stdout
     assert "error: CheckpointMismatchError: " in proc.stderr
-    assert "'transformer.h.0.mlp.fc.weight' in lit_model.pth: checkpoint [128, 32], module " \
-           "'transformer.h.0.mlp.fc.weight' [96, 32]" in proc.stderr
+    assert "\n  'transformer.h.0.mlp.fc.weight': checkpoint [128, 32], module [96, 32]\n" in proc.stderr
 
 
 def test_missing_and_unexpected_keys_as_the_load_says_them(tmp_path, tiny_config, write_litgpt_dir, read_recorder,
@@ -75,8 +74,8 @@ def test_missing_and_unexpected_keys_as_the_load_says_them(tmp_path, tiny_config
     torch.save(state, directory / "lit_model.pth")
     assert main(["inspect", str(directory)]) == 1
     err = capsys.readouterr().err
-    assert "1 module tensors are missing from it ('transformer.h.1.attn.proj.weight')" in err
-    assert "1 checkpoint keys have no place in the module ('transformer.extra.weight')" in err
+    assert "1 module tensors are missing from it:\n  'transformer.h.1.attn.proj.weight'" in err
+    assert "1 checkpoint keys have no place in the module:\n  'transformer.extra.weight'" in err
     assert read_recorder.keys == []  # headers only
 
 

@@ -55,6 +55,37 @@ def test_the_copy_loads_as_stored_and_generates_what_quantize_on_load_generates(
     assert capsys.readouterr().out == expected
 
 
+@pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.int8", "torchao.int8wo"])
+def test_the_copy_reads_back_with_the_buffers_and_caches_quantize_on_load_gives(tmp_path, wide_chat_dir, capsys,
+                                                                                 scheme):
+    """Not only the saved tensors: the RoPE tables a generation computes with (float32 under bitsandbytes, as litgpt's
+    generate leaves them; bf16 otherwise), their sizes, and the tokens of a longer generation."""
+    from lightning_lowmem import estimate_memory, generate
+    from lightning_lowmem.litgpt.generation import load_for_generation
+    from lightning_lowmem.litgpt.kv_cache import unwrap_model
+
+    out = tmp_path / "copy"
+    assert main(["quantize", str(wide_chat_dir), "--quantize", scheme, "--out", str(out), "--device", "cpu"]) == 0
+    capsys.readouterr()
+    on_load = generate(wide_chat_dir, PROMPT, quantize=scheme, max_new_tokens=30, top_k=1, device="cpu")
+    copy = generate(out, PROMPT, max_new_tokens=30, top_k=1, device="cpu")
+    assert copy.new_tokens[0].tolist() == on_load.new_tokens[0].tolist()
+    assert (copy.memory.kv_cache, copy.memory.mask, copy.memory.rope) == \
+        (on_load.memory.kv_cache, on_load.memory.mask, on_load.memory.rope)
+    models = [load_for_generation(path, device="cpu", **kwargs)[0] for path, kwargs in
+              ((wide_chat_dir, dict(quantize=scheme)), (out, {}))]
+    for model in models:
+        generate(model, on_load.tokens[0][:on_load.prompt_length], max_new_tokens=3, top_k=1)  # tables as generated
+    want, got = (dict(unwrap_model(m).named_buffers()) for m in models)
+    assert want.keys() == got.keys() and {"cos", "sin"} <= want.keys()
+    assert all(want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]) for k in want)
+    assert want["cos"].dtype == (torch.float32 if scheme.startswith("bnb.") else torch.bfloat16)
+    length = on_load.tokens[0].numel()
+    estimates = [estimate_memory(path, max_seq_length=length, **kwargs).rope for path, kwargs in
+                 ((wide_chat_dir, dict(quantize=scheme)), (out, {}))]
+    assert estimates == [on_load.memory.rope] * 2
+
+
 def test_without_quantize_an_hf_directory_becomes_litgpts_names_in_safetensors(tmp_path, pythia_14m_hf_dir, capsys):
     from safetensors import safe_open
 

@@ -37,6 +37,8 @@ FORMATS = {  # name: (the file a load opens, names: litgpt's or HF's, rank in th
     "ckpt": ("last.ckpt", "lit", 11),
 }
 PAIRS = list(itertools.combinations(FORMATS, 2))
+HUB = {("sharded-hf", "bin-hf"), ("safetensors-hf", "bin-hf")}
+"""The Hub's own layout: transformers' safetensors beside its pytorch_model.bin, read quietly where samples agree."""
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +173,8 @@ def _inspect_source(main, directory: Path, capsys, options: dict) -> str:
 def test_every_face_reads_the_same_weights_or_raises_the_same_error(tmp_path, states, capsys, first, second, same):
     directory = _directory(tmp_path, states, first, second, same)
     chosen = _every_face(directory, states, capsys)
-    expected = _expected(first, second) + "+warned" if same else AmbiguousCheckpointError  # never "the same" unchecked
+    warned = "" if (first, second) in HUB else "+warned"
+    expected = _expected(first, second) + warned if same else AmbiguousCheckpointError  # never "the same" unchecked
     assert chosen == dict.fromkeys(chosen, expected), chosen
     if same:  # every byte compared when asked: the same tensors, no warning
         verified = _every_face(directory, states, capsys, verify_weight_sets=True)
@@ -180,6 +183,27 @@ def test_every_face_reads_the_same_weights_or_raises_the_same_error(tmp_path, st
         for fmt in (first, second):
             name = FORMATS[fmt][0]
             assert _every_face(directory, states, capsys, prefer=name) == dict.fromkeys(chosen, name)
+
+
+@pytest.mark.parametrize("first", ["safetensors-hf", "sharded-hf"])
+def test_the_hubs_safetensors_beside_its_pytorch_model_bin_loads_quietly(tmp_path, states, first, capfd, caplog):
+    """A directory as the Hub serves it: no warning, at most one line (a log record at INFO) naming the other file,
+    and the report says what was read and that the rest was not; different samples still refuse."""
+    import logging
+
+    directory = _directory(tmp_path, states, first, "bin-hf", same=True)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        report = load_checkpoint(_meta(states["config"]), directory, progress=False)
+    assert [w for w in caught if issubclass(w.category, UserWarning)] == []
+    lines = [r.getMessage() for r in caplog.records if "pytorch_model.bin" in r.getMessage()]
+    assert len(lines) <= 1 and all("\n" not in line for line in lines)
+    assert report.source.startswith(str(directory / FORMATS[first][0])) and "pytorch_model.bin" in report.source
+    assert "sampled bytes" in report.source and "every byte" in report.source
+    (tmp_path / "other").mkdir()
+    other = _directory(tmp_path / "other", states, first, "bin-hf", same=False)
+    with pytest.raises(AmbiguousCheckpointError):
+        load_checkpoint(_meta(states["config"]), other, progress=False)
 
 
 def test_the_ambiguity_error_names_both_sets_the_difference_and_how_to_pick(tmp_path, states):
@@ -252,14 +276,14 @@ def _hf_pair(tmp_path: Path, root: Path, first: dict, second: dict) -> Path:
 
 def test_sets_that_differ_past_the_sample_are_read_with_a_warning_or_refused_when_verified(tmp_path, wide, capsys):
     """Every row of a weight but the first, or the last element of a pytorch_model.bin: the headers and the sampled
-    first rows agree. No face says "the same": each reads model.safetensors (the documented order) and warns that it
-    did not compare the rest; asked to compare every byte, each refuses, naming the tensor."""
+    first rows agree. No face says "the same": each reads model.safetensors (the documented order, and the Hub's:
+    quietly, as from_pretrained reads it, the report saying the rest was unread); asked to compare every byte, each
+    refuses, naming the tensor."""
     for case in (_rows_past_the_first, _last_element):
         directory = case(tmp_path / case.__name__, wide)
         states = {"config": wide[1]}
         assert _every_face(directory, states, capsys, callback=True) == dict.fromkeys(
-            ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"],
-            "model.safetensors+warned")
+            ["load_checkpoint", "estimate_memory", "generate", "fabric", "inspect", "callback"], "model.safetensors")
         verified = _every_face(directory, states, capsys, callback=True, verify_weight_sets=True)
         assert set(verified.values()) == {AmbiguousCheckpointError}, verified
     with pytest.raises(AmbiguousCheckpointError, match=r"the bytes of 'transformer\.h\.1\.mlp\.proj\.weight' differ"):
@@ -270,10 +294,14 @@ def test_sets_holding_the_same_tensors_load_and_are_called_the_same_only_when_ev
                                                                                                      wide, caplog):
     hf, config, root = wide
     directory = _hf_pair(tmp_path, root, hf, hf)
+    report = load_checkpoint(_meta(config), directory, progress=False)  # the Hub's pair: no warning
+    assert "the same" not in report.source and "the rest unread" in report.source
+    shutil.copy(directory / "pytorch_model.bin", directory / "lit_model.pth")  # another pair: a warning
     with pytest.warns(UnverifiedWeightsWarning, match=r"prefer='model\.safetensors' \(command line: --weights "
                                                       r"model\.safetensors\).*verify_weight_sets=True"):
         report = load_checkpoint(_meta(config), directory, progress=False)
     assert "the same" not in report.source and "not compared byte for byte" in report.source
+    (directory / "lit_model.pth").unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnverifiedWeightsWarning)
         with caplog.at_level("INFO", logger="lightning_lowmem"):

@@ -54,6 +54,19 @@ def _escape(text: str) -> str:
     return re.escape(text)
 
 
+def test_each_other_key_the_tensors_contradict_is_named_once(tiny_config, tiny_gpt):
+    """A config of another model altogether (every count and width wrong): the first key in full, the others once
+    each, though two attention weights contradict n_head."""
+    records = _records(tiny_gpt(tiny_config("gqa")).state_dict())
+    config = tiny_config("gqa", n_layer=3, n_embd=64, n_head=8, padded_vocab_size=256)
+    with pytest.raises(CheckpointMismatchError) as error:
+        check_config_fits(config, records, "lit_model.pth")
+    message = str(error.value)
+    assert message.startswith("The litgpt config says n_layer: 3, but the checkpoint's tensors hold 2 blocks")
+    assert "(the tensors contradict n_embd, padded_vocab_size, n_head too)" in message
+    assert message.count("n_head") == 1
+
+
 def test_hf_names_count_their_blocks_and_experts(tiny_config):
     from pathlib import Path
 

@@ -36,7 +36,7 @@ def test_result_has_tokens_texts_and_memory(tmp_path, tiny_config, write_litgpt_
     result = generate(directory, PROMPT, max_new_tokens=9, num_samples=2, temperature=0.0)
     assert result.prompt_length == 6 and len(result.tokens) == 2
     assert torch.equal(result.tokens[0], result.tokens[1])  # the second sample reuses the zeroed caches
-    assert result.texts[0].split()[:6] == PROMPT.split()
+    assert result.texts[0].split() == [f"t{i}" for i in result.new_tokens[0].tolist()]  # the reply, not the prompt
     memory = result.memory
     est = estimate_memory(directory, max_seq_length=15, prompt_length=6)  # the caches of 6 + 9 positions, in bf16
     assert (memory.kv_cache, memory.mask, memory.rope) == (est.kv_cache, est.mask, est.rope)

@@ -21,6 +21,40 @@ def test_shape_mismatch_names_file_key_and_both_shapes_before_reading(tmp_path, 
     assert all(p.is_meta for p in model.parameters())  # nothing was read or assigned
 
 
+def _readable(message: str, path) -> None:
+    """What a traceback's last lines show: the summary and what to do on the first line, then one line per tensor
+    (at most ten of each kind), each short."""
+    first, *details = message.splitlines()
+    assert len(first.replace(str(path), "")) <= 250 and ("config" in first or "key_map" in first), first
+    assert 1 <= len(details) <= 24 and all(len(line) <= 120 for line in details), details
+
+
+def test_a_checkpoint_of_another_configuration_is_a_readable_message(tmp_path, tiny_config, tiny_gpt,
+                                                                     write_checkpoint, meta_gpt):
+    """Every tensor of another width: the summary and the fix first, then ten of them, one a line."""
+    path = write_checkpoint(tiny_gpt(tiny_config(n_embd=64)).state_dict(), "safetensors", tmp_path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_checkpoint(meta_gpt(tiny_config()), path)
+    message = str(err.value)
+    _readable(message, path)
+    assert "  'lm_head.weight': checkpoint [128, 64], module [128, 32]" in message.splitlines()
+    assert message.splitlines()[-1].startswith("  ... and ")
+
+
+def test_missing_and_unexpected_keys_are_a_readable_message(tmp_path, write_checkpoint):
+    """Every key of the checkpoint under another name: both kinds counted on the first line, ten of each listed."""
+    with init_empty():
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(12)))
+    state = {f"{i}.kernel": torch.zeros(4, 4) for i in range(12)}
+    path = write_checkpoint(state, "safetensors", tmp_path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_checkpoint(model, path)
+    message = str(err.value)
+    _readable(message, path)
+    assert "(24 module tensors missing, 12 checkpoint keys with no place in the module)" in message.splitlines()[0]
+    assert "  '0.weight'" in message.splitlines() and "  '0.kernel'" in message.splitlines()
+
+
 def test_missing_and_unexpected_keys_strict_and_not(tmp_path, litgpt_model, write_checkpoint, meta_gpt):
     state = litgpt_model.state_dict()
     state.pop("transformer.ln_f.weight")
@@ -28,7 +62,7 @@ def test_missing_and_unexpected_keys_strict_and_not(tmp_path, litgpt_model, writ
     path = write_checkpoint(state, "safetensors", tmp_path)
 
     model = meta_gpt(litgpt_model.config)
-    with pytest.raises(CheckpointMismatchError, match=r"transformer\.ln_f\.weight.*extra\.weight"):
+    with pytest.raises(CheckpointMismatchError, match=r"(?s)transformer\.ln_f\.weight.*extra\.weight"):
         load_checkpoint(model, path)
     assert all(p.is_meta for p in model.parameters())
 

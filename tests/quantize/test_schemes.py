@@ -144,6 +144,18 @@ def test_unknown_scheme_fails_before_any_io(tmp_path):
         load_checkpoint(model, tmp_path / "does-not-exist.safetensors", quantize="bnb.nf5")
 
 
+@pytest.mark.parametrize(("given", "suggested"), [("nf4", "'bnb.nf4' (or 'torchao.nf4')"), ("NF4", "'bnb.nf4' (or 'torchao.nf4')"),
+                                                  ("int8", "'bnb.int8'"), ("int8wo", "'torchao.int8wo'"),
+                                                  ("bnb.nf5", "'bnb.nf4'")])
+def test_an_unknown_scheme_suggests_the_spelling_meant(given, suggested):
+    """As the command line says it: the library's spelling of a bare name (litgpt's `--quantize bnb.nf4`)."""
+    from lightning_lowmem import LoadOptions
+
+    with pytest.raises(UnsupportedQuantizationError) as error:
+        LoadOptions(quantize=given)
+    assert f"Did you mean {suggested}?" in str(error.value) and "Known schemes: 'bnb.nf4'" in str(error.value)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mslk") is not None, reason="mslk is installed: int4 runs on CPU")
 def test_int4_without_its_kernel_package_fails_before_reading(quant_checkpoint, quant_config, meta_gpt,
                                                               read_recorder):
