@@ -256,8 +256,7 @@ def make_plan(
 
 
 def _one_a_line(items: list[str], limit: int = 10) -> str:
-    """At most ``limit`` items, one a line and indented, then ``... and N more``: a message's details under its
-    first line, which says what failed and what to do."""
+    """At most ``limit`` items, one a line and indented, then ``... and N more``: a message's details."""
     lines = [f"  {item}" for item in items[:limit]]
     if len(items) > limit:
         lines.append(f"  ... and {len(items) - limit} more")

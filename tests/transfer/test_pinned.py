@@ -81,7 +81,7 @@ def test_the_offloaded_layers_blocks_are_what_the_placement_and_the_estimate_cou
     assert 0 < placement.pinned_bytes - offloaded < len(placement.offloaded) * (PAGE + 64 * 40)
     assert placement.used_per_device()["cpu"] == placement.pinned_bytes
     assert est.generate_peak - est.pinning == est.weights + est.library + est.imports + est.tokenizer + est.caches \
-        + est.activations + est.dequantized + est.runtime + est.disk_buffers
+        + est.activations + est.dequantized + est.runtime + est.heap + est.disk_buffers
 
     model = meta_gpt(quant_config)
     load_checkpoint(model, quant_checkpoint, dtype=torch.bfloat16, quantize=scheme, progress=False)
