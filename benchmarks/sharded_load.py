@@ -78,7 +78,7 @@ def rank_main(method: str, model_name: str, paths: dict[str, Path]) -> dict:
     import torchao.quantization  # noqa: F401
 
     import lightning_lowmem.memory.monitor as monitor
-    from lightning_lowmem.engine.shard_fill import shard_nbytes
+    from lightning_lowmem.ranks.shard_fill import shard_nbytes
 
     config = litgpt.Config.from_name(model_name)
     setup = SETUPS[method.split("-")[0] if method.startswith("lowmem") else method]

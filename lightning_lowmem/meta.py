@@ -104,7 +104,7 @@ class Snapshot:
     objects (and data) it held when the snapshot was taken. For meta tensors this costs nothing; for
     a module that already held real weights, their old data is kept until the load succeeds. DTensor
     shards that were already real (FSDP2) are filled in place and keep what was written into them; shards
-    still on meta go back to meta (``engine/shard_fill.py``).
+    still on meta go back to meta (``ranks/shard_fill.py``).
 
     Example::
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_lowmem import Combine, LoadOptions, LowMemError, estimate_memory, generate, load_checkpoint
 from lightning_lowmem.engine import placement_plan
-from lightning_lowmem.engine.options import option_names
+from lightning_lowmem.request.options import option_names
 from lightning_lowmem.litgpt.generation import load_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,9 +1,9 @@
 """The package's layout, read from its source: imports follow the data flow, modules and functions stay short.
 
 Folders, in the order each may import the ones before it: the ground (the top-level modules, ``memory/``
-and ``transfer/``), then formats, plan, quantize, placement, runtime, engine, saving, lightning, litgpt, transformers,
-diffusers, cli.
-Every import statement counts, those inside functions included: so the read path (formats, engine) never imports the
+and ``transfer/``), then formats, plan, quantize, placement, runtime, request, sources, ranks, routes, engine, saving, lightning, litgpt,
+transformers, diffusers, cli.
+Every import statement counts, those inside functions included: so the read path (formats to engine) never imports the
 write path (saving). ``__main__`` (``python -m lightning_lowmem``) is an entry
 point, like the package root: it may import any folder.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 
 PACKAGE = "lightning_lowmem"
 SOURCE = Path(__file__).resolve().parents[1] / PACKAGE
-ORDER = ["ground", "formats", "plan", "quantize", "placement", "runtime", "engine", "saving", "lightning", "litgpt", "transformers",
-         "diffusers", "cli"]
+ORDER = ["ground", "formats", "plan", "quantize", "placement", "runtime", "request", "sources", "ranks", "routes", "engine",
+         "saving", "lightning", "litgpt", "transformers", "diffusers", "cli"]
 ENTRY_POINTS = {PACKAGE, f"{PACKAGE}.__main__"}
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 50

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 def _load(path: Path, args: argparse.Namespace) -> tuple[Any, Any, Any, Any, Any]:
     """``(model, tokenizer, what LitgptCheckpoint.find found, load report, the device it runs on)``; no tokenizer is
     an error before any weight is read."""
-    from lightning_lowmem.engine.defaults import execution_device
+    from lightning_lowmem.request.defaults import execution_device
     from lightning_lowmem.errors import CheckpointNotFoundError
     from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint
     from lightning_lowmem.litgpt.generation import generation_options, load_for_generation

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     """Estimate and print (a table, or JSON with ``--json``)."""
     from lightning_lowmem.cli.options import config_argument
     from lightning_lowmem.engine import LoadOptions
-    from lightning_lowmem.engine.defaults import generation_dtype
+    from lightning_lowmem.request.defaults import generation_dtype
     from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
     check_budgets(args, args.parser)

@@ -234,9 +234,9 @@ def config_argument(value: str | None) -> Any | None:
 
 def default_device(value: str | None) -> str:
     """``--device``, or litgpt's default: cuda when there is one, else cpu (the engine's
-    :func:`~lightning_lowmem.engine.defaults.default_device`)."""
+    :func:`~lightning_lowmem.request.defaults.default_device`)."""
     if value is not None:
         return value
-    from lightning_lowmem.engine.defaults import default_device as litgpt_default
+    from lightning_lowmem.request.defaults import default_device as litgpt_default
 
     return str(litgpt_default())

@@ -131,7 +131,7 @@ def _beside(found: Any, scratch: Path) -> list[Path]:
 
 def _model_bytes(found: Any, args: argparse.Namespace, skip: tuple[str, ...] | None) -> int:
     """The bytes of the model the load will make, from the load plan (headers only): what the copy will take."""
-    from lightning_lowmem.engine.defaults import generation_dtype
+    from lightning_lowmem.request.defaults import generation_dtype
     from lightning_lowmem.litgpt.estimate_memory import estimate_memory
 
     est = estimate_memory(found.weights, quantize=args.quantize, skip_quantize=skip, config=found.config,

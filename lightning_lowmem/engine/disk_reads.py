@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
-from lightning_lowmem.engine.reader import Payload, Reader, SharedParts
-from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.routes.reader import Payload, Reader, SharedParts
+from lightning_lowmem.routes.route import Route, Traits
+from lightning_lowmem.routes.choice import route_of
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.plan import Combine, LoadPlan, Target
 from lightning_lowmem.plan.conversions import Transform

@@ -28,19 +28,19 @@ from torch import nn
 from lightning_lowmem.building import after_fill, cast_buffer, forget_origins
 from lightning_lowmem.devices import check_device_available, cuda_or_none
 from lightning_lowmem.dtypes import supports_bf16
-from lightning_lowmem.engine.defaults import execution_device
+from lightning_lowmem.request.defaults import execution_device
 from lightning_lowmem.engine.disk_reads import on_disk_targets, open_disk_tier
-from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.request.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad, prepare_load
-from lightning_lowmem.engine.resolve import resolved
-from lightning_lowmem.engine.weight_sets import Chosen
-from lightning_lowmem.engine.ranks import agreement, from_first_rank, rank
+from lightning_lowmem.sources.resolve import resolved
+from lightning_lowmem.sources.weight_sets import Chosen
+from lightning_lowmem.ranks.agreement import agreement, from_first_rank, rank
 from lightning_lowmem.engine.report import LoadReport
-from lightning_lowmem.engine.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
+from lightning_lowmem.ranks.shard_fill import allocate_shards, shard_nbytes, sharded_parameters
 from lightning_lowmem.engine.shard_checks import check_sharded
-from lightning_lowmem.engine.route import Traits
+from lightning_lowmem.routes.route import Traits
 from lightning_lowmem.engine.stream import stream
-from lightning_lowmem.engine.whole_reads import whole_reads
+from lightning_lowmem.routes.whole_reads import whole_reads
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.checkpoint import headers_shared
 from lightning_lowmem.formats.crc_pieces import check_unchecked

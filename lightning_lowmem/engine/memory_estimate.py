@@ -18,7 +18,7 @@
     imports        what else the load imports that a script has not imported already (a GGUF file read into
                    litgpt's model: transformers' model classes, measured); 0 where they are imported
     load transient the largest extra bytes one tensor holds while it is streamed in, asked of the route
-                   the stream takes for it (``engine/routes.py``: the tensor as read when it is cast;
+                   the stream takes for it (``routes/choice.py``: the tensor as read when it is cast;
                    a block of rows as read, cast and quantized + the freed heap a trim leaves (up to
                    ``TRIM_AT``, 32 MiB: earlier weights' temporaries); a combined tensor's parts; one part of
                    a stacked one; a weight stored quantized, loaded as it is, nothing on CPU; a GGUF
@@ -57,11 +57,11 @@ from typing import Any
 import torch
 
 from lightning_lowmem.engine.prepare import PreparedLoad
-from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.routes import route_of
-from lightning_lowmem.engine.staging import ring_nbytes, stage_workers
+from lightning_lowmem.routes.route import Route, Traits
+from lightning_lowmem.routes.choice import route_of
+from lightning_lowmem.routes.staging import ring_nbytes, stage_workers
 from lightning_lowmem.engine.stream import path_device
-from lightning_lowmem.engine.whole_reads import whole_reads
+from lightning_lowmem.routes.whole_reads import whole_reads
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.memory.heap import GENERATION_TRIM_AT

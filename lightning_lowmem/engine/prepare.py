@@ -25,9 +25,9 @@ from lightning_lowmem.arguments import check_int, check_real
 from lightning_lowmem.dtypes import model_dtype
 from lightning_lowmem.runtime.disk_units import check_streamable
 from lightning_lowmem.runtime.execution import ExecutionPlan
-from lightning_lowmem.engine.defaults import execution_device
-from lightning_lowmem.engine.options import LoadOptions
-from lightning_lowmem.engine.resolve import Source, records_source, resolved
+from lightning_lowmem.request.defaults import execution_device
+from lightning_lowmem.request.options import LoadOptions
+from lightning_lowmem.sources.resolve import Source, records_source, resolved
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.placement import MaxMemory, PlacementPlan, architecture_of, place_layers
 from lightning_lowmem.meta import owner_of
@@ -95,7 +95,7 @@ def prepare_load(module: nn.Module, source: Source, options: LoadOptions, *, che
 
     Args:
         module: the module (usually built on meta).
-        source: the resolved checkpoint (:func:`~lightning_lowmem.engine.resolve.resolved`): its records, the
+        source: the resolved checkpoint (:func:`~lightning_lowmem.sources.resolve.resolved`): its records, the
             weights it holds already quantized (they load as stored, and ``options.quantize`` quantizes
             nothing else) and the conversion of its names (its ties are made on ``module`` first).
         options: the load options.

@@ -45,7 +45,7 @@ class LoadReport:
         shard_bytes: bytes of this rank's parts of the module's DTensor parameters (0 for a module that
             holds no DTensor); ``bytes_read`` is then what this rank read.
         read_whole: sharded tensor name -> why this rank read all of it though it holds only a part (decided
-            before any read; ``engine/whole_reads.py``).
+            before any read; ``routes/whole_reads.py``).
         source: which weights were read, and why those (a directory's choice among its weight sets).
         conversion: how the checkpoint's names became the module's (``""``: taken as they are).
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.request.options import LoadOptions
 from lightning_lowmem.engine.prepare import PreparedLoad
 from lightning_lowmem.errors import UnsupportedQuantizationError, format_names
 from lightning_lowmem.meta import owner_of

@@ -37,12 +37,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.readahead import read_ahead
-from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.routes import QuantizedShardRows, route_of
-from lightning_lowmem.engine.shard_sums import ShardSums
-from lightning_lowmem.engine.staging import Stager, load_window, open_stager
+from lightning_lowmem.routes.reader import Payload, Reader, local_of
+from lightning_lowmem.routes.readahead import read_ahead
+from lightning_lowmem.routes.route import Route, Traits
+from lightning_lowmem.routes.choice import QuantizedShardRows, route_of
+from lightning_lowmem.ranks.shard_sums import ShardSums
+from lightning_lowmem.routes.staging import Stager, load_window, open_stager
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.memory import collector_paused
 from lightning_lowmem.meta import assign

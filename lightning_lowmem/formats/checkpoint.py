@@ -77,7 +77,7 @@ def _open_shard(path: Path) -> CheckpointFile:
 
 
 Share = Callable[[Callable[[], Any], Callable[[Any], Any]], Any]
-"""``share(make, send)``: ``make()`` on the first rank, ``send(its result)`` given to the others (engine/ranks.py)."""
+"""``share(make, send)``: ``make()`` on the first rank, ``send(its result)`` given to the others (ranks/agreement.py)."""
 _SHARE: contextvars.ContextVar[Share | None] = contextvars.ContextVar("lowmem_share_headers", default=None)
 SAMPLE_BLOCKS = 256
 """Blocks of data (of ``files.SAMPLE_BYTES``) the ranks of a sharded load each read and digest per checkpoint, spread

@@ -4,7 +4,7 @@ Formats are told apart by content (a zip signature, a safetensors header, the
 ``GGUF`` magic, an index's ``weight_map``), not by file name alone. A directory is
 listed as weight sets (:func:`weight_sets`): a single file, or an index with the
 shards it names. Which set a load reads when there are several is decided once, by
-the engine's resolver (``lightning_lowmem.engine.resolve``), which compares them.
+the engine's resolver (``lightning_lowmem.sources.resolve``), which compares them.
 """
 
 from __future__ import annotations

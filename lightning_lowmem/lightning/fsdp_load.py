@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_lowmem.engine import opened
-from lightning_lowmem.engine.ranks import agreement, from_first_rank
+from lightning_lowmem.ranks.agreement import agreement, from_first_rank
 from lightning_lowmem.errors import MetaTensorError, format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.checkpoint import headers_shared

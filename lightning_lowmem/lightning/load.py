@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_lowmem.arguments import check_flag
 from lightning_lowmem.dtypes import load_dtype
 from lightning_lowmem.engine import LoadOptions, LoadReport, PreparedLoad, allocate_shards, run_load
-from lightning_lowmem.engine.defaults import compute_dtype, execution_device
+from lightning_lowmem.request.defaults import compute_dtype, execution_device
 from lightning_lowmem.errors import format_names
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.lightning.state import plugin_dtype, remap_optimizer_params

@@ -1,6 +1,6 @@
 """A litgpt ``GPT`` from a checkpoint path: which weights, which config, which tokenizer; built on meta and loaded.
 
-Which weights a path stands for is the engine's resolver's answer (``lightning_lowmem.engine.resolve``), the
+Which weights a path stands for is the engine's resolver's answer (``lightning_lowmem.sources.resolve``), the
 same for every face: a file is itself; a directory's one weight set is read; several sets are compared on
 the model this directory's config builds (the same tensors: the one litgpt takes as it is, ``lit_model.pth``;
 different ones: an error saying how to pick, ``prefer=`` / ``--weights``). The conversion of the weights'
@@ -29,9 +29,9 @@ from torch import nn
 
 from lightning_lowmem.dtypes import precision_flag
 from lightning_lowmem.engine import LoadOptions, LoadReport, run_load
-from lightning_lowmem.engine.defaults import compute_dtype, execution_device
-from lightning_lowmem.engine.entries import entry_for
-from lightning_lowmem.engine.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
+from lightning_lowmem.request.defaults import compute_dtype, execution_device
+from lightning_lowmem.sources.entries import entry_for
+from lightning_lowmem.sources.weight_sets import Chosen, candidate_sets, choose_set, one_set_why
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.discovery import GGUF_MAGIC
@@ -82,7 +82,7 @@ class LitgptCheckpoint:
         directory holds several; every byte with ``verify``, the ``verify_weight_sets`` option).
 
         With ``tokenizer=False`` no tokenizer is built (``estimate`` and ``inspect`` read headers only). ``entry``: the
-        entry of a torch file holding the weights (the ``entry`` option; see ``engine/entries.py``).
+        entry of a torch file holding the weights (the ``entry`` option; see ``sources/entries.py``).
 
         Raises:
             CheckpointNotFoundError: ``path`` does not exist or holds no weights.

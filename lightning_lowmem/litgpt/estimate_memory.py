@@ -28,7 +28,7 @@ from lightning_lowmem.engine import (
     records_source,
     resolved,
 )
-from lightning_lowmem.engine.defaults import default_device, execution_device, generation_dtype
+from lightning_lowmem.request.defaults import default_device, execution_device, generation_dtype
 from lightning_lowmem.errors import CheckpointNotFoundError
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, build_meta_gpt

@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_lowmem.devices import cuda_or_none
 from lightning_lowmem.engine import LoadOptions, LoadReport
-from lightning_lowmem.engine.defaults import execution_device, generation_dtype
+from lightning_lowmem.request.defaults import execution_device, generation_dtype
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
 from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
@@ -109,7 +109,7 @@ def generation_options(options: LoadOptions | None, precision: str | None, face:
                        device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                        **overrides: Any) -> LoadOptions:
     """The load options of a generation, built once: ``options`` with the keyword arguments put in (an unknown one a
-    ``TypeError`` naming ``face``), the dtype :func:`~lightning_lowmem.engine.defaults.generation_dtype` (``dtype``,
+    ``TypeError`` naming ``face``), the dtype :func:`~lightning_lowmem.request.defaults.generation_dtype` (``dtype``,
     else ``options.dtype``, else ``precision``, litgpt's ``--precision``, else bf16), and the device (``device``, else
     ``options.device``, else the CPU; with ``max_memory``, the placement's execution device instead)."""
     given = dtype if dtype is not None else options.dtype if options is not None else None

@@ -16,7 +16,7 @@ the estimate.
 
 Without a placement every tensor computes where it is loaded (``device=``, or where the module holds it).
 
-This module is the one owner of where and how a layer runs; every face asks it (``engine/defaults.py`` turns a
+This module is the one owner of where and how a layer runs; every face asks it (``request/defaults.py`` turns a
 load's options into its questions):
 
 ::

@@ -13,7 +13,7 @@
 
 A layer is read into one buffer while the previous one computes from the other, so these buffers are the only
 memory the layers on disk take on the host. Fresh memory for each read would cost a page fault per page on first
-touch, each time (``engine/readahead.py``); reused buffers are touched once.
+touch, each time (``routes/readahead.py``); reused buffers are touched once.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Copy engines: how host memory reaches a device, asynchronously and in the order issued. One convention for the
-load's device path (``engine/staging.py``) and the runtime's layers off the device (``runtime/streamer.py``):
+load's device path (``routes/staging.py``) and the runtime's layers off the device (``runtime/streamer.py``):
 
 ::
 

@@ -18,7 +18,7 @@ RESUME = """
 import lightning as L
 from litgpt import GPT
 import lightning_lowmem.memory.monitor as monitor
-from lightning_lowmem.engine.shard_fill import local_tensor
+from lightning_lowmem.ranks.shard_fill import local_tensor
 
 fabric = L.Fabric(accelerator="cpu", devices=world, strategy="lowmem_fsdp", precision="bf16-true")
 fabric.launch()

@@ -315,8 +315,8 @@ def test_a_tensor_rewritten_as_its_rows_are_read_is_rewritten_once_per_forward(t
     the read buffer."""
     import transformers
 
-    from lightning_lowmem.engine import routes
-    from lightning_lowmem.engine.row_reads import read_built
+    from lightning_lowmem.routes import choice as routes
+    from lightning_lowmem.routes.row_reads import read_built
     from lightning_lowmem.plan.gguf import gguf_config, gguf_to_transformers
 
     path = tiny_gguf["Q8_0"]

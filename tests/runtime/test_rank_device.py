@@ -28,7 +28,7 @@ def test_a_rank_whose_device_nothing_tells_is_refused_saying_how_to_tell_it(loca
 
 
 BOUND = """
-from lightning_lowmem.engine.collectives import collective_device
+from lightning_lowmem.ranks.collectives import collective_device
 from lightning_lowmem.runtime.rank_device import mesh_device, rank_device
 
 group = dist.distributed_c10d._get_default_group()

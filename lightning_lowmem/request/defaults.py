@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lightning_lowmem.dtypes import load_dtype
-from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.request.options import LoadOptions
 from lightning_lowmem.runtime import execution
 
 GENERATION_DTYPE = torch.bfloat16

@@ -21,8 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import Route, Traits, by_rows_nbytes, decode, freed_heap, row_blocks
+from lightning_lowmem.routes.reader import Payload, Reader, local_of
+from lightning_lowmem.routes.route import Route, Traits, by_rows_nbytes, decode, freed_heap, row_blocks
 from lightning_lowmem.plan import Target
 from lightning_lowmem.quantize.rows import RowSource
 

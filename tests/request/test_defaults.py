@@ -1,4 +1,4 @@
-"""One owner of where a load computes and of the generation dtype (``engine/defaults.py``), and the faces asking it."""
+"""One owner of where a load computes and of the generation dtype (``request/defaults.py``), and the faces asking it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from lightning_lowmem import BF16FallbackWarning, LoadOptions, assume_bf16_support, estimate_memory, generate
 from lightning_lowmem.cli.options import default_device as cli_device
 from lightning_lowmem.engine import placement_plan
-from lightning_lowmem.engine.defaults import GENERATION_DTYPE, default_device, execution_device, generation_dtype
+from lightning_lowmem.request.defaults import GENERATION_DTYPE, default_device, execution_device, generation_dtype
 from lightning_lowmem.litgpt.generation import generation_options, load_for_generation
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lightning_lowmem.transfer.copies as copies
-import lightning_lowmem.engine.staging as staging
+import lightning_lowmem.routes.staging as staging
 from lightning_lowmem import CheckpointFormatError, load_checkpoint
 from lightning_lowmem.transfer.copies import ThreadCopies
 from lightning_lowmem.transfer.ring import Ring
@@ -222,7 +222,7 @@ def test_a_file_cut_short_mid_ring_is_a_typed_error_and_nothing_is_left(tmp_path
 def test_no_ring_memory_falls_back_to_the_load_without_it(cpu_path, quant_checkpoint, quant_load, caplog):
     ref, _ = quant_load(quant_checkpoint, quantize="bnb.int8")
     engines = cpu_path(refuse_buffers=True)
-    with caplog.at_level(logging.WARNING, logger="lightning_lowmem.engine.staging"):
+    with caplog.at_level(logging.WARNING, logger="lightning_lowmem.routes.staging"):
         model, report = quant_load(quant_checkpoint, quantize="bnb.int8")
     assert engines and engines[0].copies == 0 and "pageable copies instead" in caplog.text
     _assert_identical(model, ref)
@@ -360,7 +360,7 @@ def test_cuda_pinned_memory_refused_falls_back(monkeypatch, todays_path, quant_c
         raise RuntimeError("pinned memory refused (test)")
 
     monkeypatch.setattr(copies.CudaCopies, "host_buffer", refuse)
-    with caplog.at_level(logging.WARNING, logger="lightning_lowmem.engine.staging"):
+    with caplog.at_level(logging.WARNING, logger="lightning_lowmem.routes.staging"):
         model, _ = quant_load(quant_checkpoint, device="cuda")
     assert "pageable copies instead" in caplog.text
     todays_path()

@@ -1,7 +1,7 @@
 """Which tensors a rank reads whole though it holds only a part of them, and why: said before any read.
 
 A rank of a sharded model reads only its own rows of a tensor when its part is a block of whole rows that the
-file can give on its own (``engine/routes.py``: shard rows, stacked, quantized shard rows). Anything else is
+file can give on its own (``routes/choice.py``: shard rows, stacked, quantized shard rows). Anything else is
 read whole, as the one tensor in flight, and the rank keeps its part: a part cut by columns (tensor
 parallelism's ``Shard(1)``: its bytes are strided in the file, one piece per row), a tensor the conversion
 rewrites whole, a tensor combined from several, a weight whose scheme quantizes a whole weight at once, a
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (the example uses it)
 
-from lightning_lowmem.engine.route import Traits
-from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.routes.route import Traits
+from lightning_lowmem.routes.choice import route_of
 from lightning_lowmem.plan import LoadPlan, Target
 
 READ_OWN_PART = frozenset({"shard rows", "stacked", "quantized shard rows"})

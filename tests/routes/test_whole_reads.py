@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_lowmem.engine.route import Traits
-from lightning_lowmem.engine.whole_reads import whole_reads
+from lightning_lowmem.routes.route import Traits
+from lightning_lowmem.routes.whole_reads import whole_reads
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.plan import LoadPlan, Target
 from lightning_lowmem.plan.dtensor_part import Shard

@@ -23,10 +23,10 @@ from typing import ClassVar
 import torch
 
 from lightning_lowmem.transfer.copies import CopyEngine
-from lightning_lowmem.engine.reader import Payload, Reader
-from lightning_lowmem.engine.route import Route, Traits
-from lightning_lowmem.engine.stacked import stackable
-from lightning_lowmem.engine.staging import Fill
+from lightning_lowmem.routes.reader import Payload, Reader
+from lightning_lowmem.routes.route import Route, Traits
+from lightning_lowmem.routes.stacked import stackable
+from lightning_lowmem.routes.staging import Fill
 from lightning_lowmem.formats import TensorRecord
 from lightning_lowmem.plan import Target
 from lightning_lowmem.plan.transform import row_block

@@ -8,8 +8,8 @@ import torch
 
 from lightning_lowmem import LoadOptions, load_checkpoint
 from lightning_lowmem.engine import LOAD_RUNTIME, estimate_prepared, prepare_load, resolved
-from lightning_lowmem.engine.route import Traits
-from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.routes.route import Traits
+from lightning_lowmem.routes.choice import route_of
 from lightning_lowmem.engine.stream import mappable
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 

@@ -37,8 +37,8 @@ from typing import ClassVar
 
 import torch
 
-from lightning_lowmem.engine.reader import Payload, Reader, local_of
-from lightning_lowmem.engine.route import (
+from lightning_lowmem.routes.reader import Payload, Reader, local_of
+from lightning_lowmem.routes.route import (
     Route,
     Traits,
     as_read,
@@ -47,9 +47,9 @@ from lightning_lowmem.engine.route import (
     quantized_nbytes,
     row_blocks,
 )
-from lightning_lowmem.engine.row_reads import block_rows, built_by_rows, read_built, reads_by_rows, rows_reader
-from lightning_lowmem.engine.stacked import Stacked, StackedRows, stackable
-from lightning_lowmem.engine.staged import stageable, staged_route
+from lightning_lowmem.routes.row_reads import block_rows, built_by_rows, read_built, reads_by_rows, rows_reader
+from lightning_lowmem.routes.stacked import Stacked, StackedRows, stackable
+from lightning_lowmem.routes.staged import stageable, staged_route
 from lightning_lowmem.plan import Target, row_block
 from lightning_lowmem.quantize.rows import RowSource
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from lightning_lowmem.engine.ranks import agreement, rank
+from lightning_lowmem.ranks.agreement import agreement, rank
 
 MISMATCH = """
 from litgpt import GPT

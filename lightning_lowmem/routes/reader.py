@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_lowmem.engine.readahead import ScratchBuffer
-from lightning_lowmem.engine.row_reads import RowBuffer, Transform
-from lightning_lowmem.engine.shard_fill import local_tensor
+from lightning_lowmem.routes.readahead import ScratchBuffer
+from lightning_lowmem.routes.row_reads import RowBuffer, Transform
+from lightning_lowmem.ranks.shard_fill import local_tensor
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.meta import owner_of
 from lightning_lowmem.plan import Combine, LoadPlan, Target

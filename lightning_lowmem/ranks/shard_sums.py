@@ -3,9 +3,9 @@
 NF4 needs one number of the whole weight, the mean of its block maxima (``quantize/nf4.py``): each rank sums
 its own and one all-reduce per weight, on the process group of the mesh dimension the weight is cut along,
 adds them up. That all-reduce is a point where the ranks wait for each other in the middle of the stream:
-it is preceded by :func:`~lightning_lowmem.engine.ranks.check_peers`, so that a rank whose load failed before
+it is preceded by :func:`~lightning_lowmem.ranks.agreement.check_peers`, so that a rank whose load failed before
 it (gone to the agreement at the end of the stream) meets the others there, and every rank raises that
-rank's error (``engine/ranks.py``) instead of waiting for a rank that will never come.
+rank's error (``ranks/agreement.py``) instead of waiting for a rank that will never come.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_lowmem.engine.collectives import collective, collective_device
-from lightning_lowmem.engine.ranks import check_peers
+from lightning_lowmem.ranks.collectives import collective, collective_device
+from lightning_lowmem.ranks.agreement import check_peers
 from lightning_lowmem.plan import Target
 
 

@@ -8,7 +8,7 @@ import ast
 import pytest
 import torch
 
-from lightning_lowmem.engine.collectives import device_type_for
+from lightning_lowmem.ranks.collectives import device_type_for
 
 
 @pytest.mark.parametrize(("backend", "device"), [
@@ -58,8 +58,8 @@ def test_every_collective_of_the_library_runs_inside_collective():
 
 
 GLOO = """
-from lightning_lowmem.engine.collectives import collective_device
-from lightning_lowmem.engine.ranks import agreement, check_peers, from_first_rank
+from lightning_lowmem.ranks.collectives import collective_device
+from lightning_lowmem.ranks.agreement import agreement, check_peers, from_first_rank
 
 emit(device=str(collective_device()), mesh_device=str(collective_device(mesh.get_group(0))))
 with agreement(True, share=True) as agreed:
@@ -125,8 +125,8 @@ def test_a_rank_killed_inside_a_collective_is_a_rank_lost_error_on_the_others(
 NCCL = """
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
-from lightning_lowmem.engine.collectives import collective_device
-from lightning_lowmem.engine.ranks import agreement, check_peers
+from lightning_lowmem.ranks.collectives import collective_device
+from lightning_lowmem.ranks.agreement import agreement, check_peers
 
 emit(backend=str(dist.get_backend()), device=str(collective_device()))
 with agreement(True, share=True) as agreed:
@@ -157,8 +157,8 @@ def test_on_nccl_the_agreement_runs_on_this_rank_s_gpu(run_ranks):
 
 NO_SET_DEVICE = """
 dist.init_process_group("nccl")  # no set_device, no device_id: a torchrun script as often written; LOCAL_RANK is set
-from lightning_lowmem.engine.collectives import collective_device
-from lightning_lowmem.engine.ranks import agreement, check_peers, from_first_rank
+from lightning_lowmem.ranks.collectives import collective_device
+from lightning_lowmem.ranks.agreement import agreement, check_peers, from_first_rank
 
 emit(current=torch.cuda.current_device(), device=str(collective_device()))
 with agreement(True, share=True) as agreed:

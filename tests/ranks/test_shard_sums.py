@@ -11,7 +11,7 @@ NF4_BY_ROWS = """
 from litgpt import GPT
 from lightning_lowmem import LoadOptions, init_empty, load_checkpoint
 from lightning_lowmem.engine import quantize_for_sharding
-from lightning_lowmem.engine.reader import Reader
+from lightning_lowmem.routes.reader import Reader
 from lightning_lowmem.placement import shard_model
 from lightning_lowmem.quantize.nf4 import NF4Linear
 

@@ -20,8 +20,8 @@ import torch
 
 from lightning_lowmem import LoadOptions, init_empty, load_checkpoint
 from lightning_lowmem.engine import prepare_load, resolved
-from lightning_lowmem.engine.route import Traits
-from lightning_lowmem.engine.routes import route_of
+from lightning_lowmem.routes.route import Traits
+from lightning_lowmem.routes.choice import route_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,8 +125,8 @@ from lightning_lowmem import LoadOptions, init_empty, load_checkpoint
 from lightning_lowmem.engine import estimate_prepared, prepare_load, resolved
 path, mode = sys.argv[1], sys.argv[2]
 if mode == "combined":  # the contrast: the same load with the parts combined, as a Combine builds a tensor
-    import lightning_lowmem.engine.routes
-    lightning_lowmem.engine.routes.stackable = lambda *args: False
+    import lightning_lowmem.routes.choice
+    lightning_lowmem.routes.choice.stackable = lambda *args: False
 config = transformers.AutoConfig.from_pretrained(path)
 with init_empty():
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -4,7 +4,7 @@
 
     resolved(path, module, options)
         a file: itself.  a directory: its weight sets (formats.discovery.weight_sets)
-            one set -> it;  several -> compared (engine.weight_sets): names as the module takes them,
+            one set -> it;  several -> compared (sources.weight_sets): names as the module takes them,
             shapes, dtypes and a sample of every tensor's bytes
                 the same tensors -> the first the module takes without a conversion, else the first in
                                     the documented order;  ``prefer=`` narrows the sets first
@@ -27,11 +27,11 @@ from pathlib import Path
 
 from torch import nn
 
-from lightning_lowmem.engine.entries import entry_for
-from lightning_lowmem.engine.options import LoadOptions
+from lightning_lowmem.sources.entries import entry_for
+from lightning_lowmem.request.options import LoadOptions
 from lightning_lowmem.formats.metadata_keys import TIES_KEY
 from lightning_lowmem.errors import CheckpointFormatError, CheckpointNotFoundError
-from lightning_lowmem.engine.weight_sets import Chosen, choose_set
+from lightning_lowmem.sources.weight_sets import Chosen, choose_set
 from lightning_lowmem.formats import Checkpoint, TensorRecord
 from lightning_lowmem.plan import Combine, KeyMap
 from lightning_lowmem.plan.conversions import Conversion, Transform, find_conversion
@@ -109,7 +109,7 @@ def resolved(checkpoint: str | Path | Checkpoint | Chosen, module: nn.Module | N
 
     Args:
         checkpoint: a file, an index, a directory, an open :class:`Checkpoint`, or weights a face already chose
-            (:class:`~lightning_lowmem.engine.weight_sets.Chosen`).
+            (:class:`~lightning_lowmem.sources.weight_sets.Chosen`).
         module: the module the weights go to (its names decide between weight sets holding the same tensors,
             and which conversion applies); None: names are taken as they are.
         options: the load options: ``prefer`` picks among weight sets, ``quantize`` is checked against

@@ -9,8 +9,8 @@ from typing import ClassVar
 
 import torch
 
-from lightning_lowmem.engine.reader import Payload, Reader
-from lightning_lowmem.engine.row_reads import Transform
+from lightning_lowmem.routes.reader import Payload, Reader
+from lightning_lowmem.routes.row_reads import Transform
 from lightning_lowmem.formats import Checkpoint
 from lightning_lowmem.formats.gguf_file import DEQUANTIZE_WORKSPACE
 from lightning_lowmem.plan import LoadPlan, Target

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from lightning_lowmem import errors
-from lightning_lowmem.engine.collectives import collective, collective_device
+from lightning_lowmem.ranks.collectives import collective, collective_device
 from lightning_lowmem.errors import LowMemError, RankLostError
 
 _ARGUMENT_ERRORS = ("ValueError", "TypeError", "KeyError")
