@@ -266,7 +266,6 @@ def test_strict_and_non_strict_unexpected_keys(tmp_path, litgpt_model, write_che
 def test_nf4_on_cpu_qlora_train_save_reload(tmp_path, flag, write_checkpoint, tiny_config, tiny_gpt, lora_config,
                                             lora_key_map, eager_gpt):
     """bnb.nf4 on CPU (BitsandbytesPrecision refuses CPU): quantized base frozen, LoRA trains, adapters reload."""
-    from litgpt import GPT
     from litgpt.lora import GPT as LoRAGPT
     from litgpt.lora import mark_only_lora_as_trainable
 
@@ -480,8 +479,9 @@ def test_fabric_save_on_a_full_disk_is_a_save_error_and_the_old_file_stays(mount
     assert sorted(p.name for p in disk.iterdir()) == ["filler", "saved.ckpt"]
 
 
-def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_path, tiny_config, tiny_gpt,
-                                                                           write_checkpoint):
+def _fabric_with_layers_on_disk(tmp_path, tiny_config, tiny_gpt, write_checkpoint):
+    """A 6-layer GPT loaded by Fabric with a CPU budget of a quarter of it and the rest on disk: ``(reference, path,
+    fabric, model)``, the model not yet set up."""
     from litgpt import GPT
 
     reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
@@ -491,6 +491,14 @@ def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_
     with fabric.init_module():
         model = GPT(reference.config)
     fabric.load_raw(path, model)
+    return reference, path, fabric, model
+
+
+def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_path, tiny_config, tiny_gpt,
+                                                                           write_checkpoint):
+    from litgpt import GPT
+
+    reference, path, fabric, model = _fabric_with_layers_on_disk(tmp_path, tiny_config, tiny_gpt, write_checkpoint)
     model = fabric.setup(model)  # moving the model leaves the layers on disk alone
     report = fabric.strategy.reports[-1]
     assert report.placement.on_disk and report.disk is not None
@@ -513,15 +521,7 @@ def test_fabric_with_layers_on_disk_runs_inference_and_refuses_an_optimizer(tmp_
 def test_fabric_save_of_a_model_with_layers_on_disk_is_refused_and_writes_nothing(tmp_path, tiny_config, tiny_gpt,
                                                                                     write_checkpoint):
     """Its layers on disk hold placeholders between forwards: fabric.save would write them as weights."""
-    from litgpt import GPT
-
-    reference = tiny_gpt(tiny_config(n_layer=6), std=0.3)
-    path = write_checkpoint(reference.state_dict(), "safetensors", tmp_path)
-    nbytes = sum(t.numel() * t.element_size() for t in reference.state_dict().values())
-    fabric = _fabric("instance", "32-true", max_memory={"cpu": nbytes // 4}, disk_offload=True)
-    with fabric.init_module():
-        model = GPT(reference.config)
-    fabric.load_raw(path, model)
+    reference, path, fabric, model = _fabric_with_layers_on_disk(tmp_path, tiny_config, tiny_gpt, write_checkpoint)
     model = fabric.setup(model)
     for state in ({"model": model, "step": 1}, {"model": model.module}):
         with pytest.raises(ValueError, match=r"disk_offload.*nothing was written") as raised:
