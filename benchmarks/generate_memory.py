@@ -239,4 +239,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # the parent estimates with this checkout's library, as its children run it
     main()
