@@ -110,21 +110,11 @@ def handing_back_heap(module: nn.Module, min_free: int = GENERATION_TRIM_AT) -> 
         if not torch.compiler.is_compiling():
             release_free_heap(min_free)
 
-    handles = [m.register_forward_hook(hand_back) for m in (module, *_dequantizing(module))]
+    handle = module.register_forward_hook(hand_back)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _dequantizing(module: nn.Module) -> list[nn.Module]:
-    """The modules of ``module`` whose weight is a tensor subclass that is no ``nn.Parameter`` (torchao's NF4 and int8
-    tensors): their forward makes a full-size transient (NF4 dequantizes the weight), and freed inside one forward of
-    the model those stayed resident until its end (pythia-160m nf4: 7 MiB over the estimate, which counts one)."""
-    return [m for m in module.modules()
-            if isinstance(weight := m.__dict__.get("_parameters", {}).get("weight"), torch.Tensor)
-            and type(weight) is not torch.Tensor and not issubclass(type(weight), nn.Parameter)]
+        handle.remove()
 
 
 def trim_after_first_forward(module: nn.Module) -> None:

@@ -444,25 +444,3 @@ def test_generate_hands_back_the_freed_heap_while_it_generates(tmp_path, tiny_co
     generate(model, [1, 2, 3], max_new_tokens=5, top_k=1)
     assert calls == [heap.GENERATION_TRIM_AT] * 5  # one forward for the prompt, one for each new token but the last
     assert dict(model._forward_hooks) == hooks
-
-
-@pytest.mark.parametrize("scheme", ["torchao.nf4", "torchao.int8wo", "bnb.nf4"])
-def test_the_heap_is_handed_back_after_each_layer_that_dequantizes_its_weight(tmp_path, tiny_config, write_litgpt_dir,
-                                                                              monkeypatch, scheme):
-    """torchao's weights (NF4 dequantized, int8 converted in each forward) free a full-size transient per Linear: the
-    heap is handed back after each of them too, not only after the model's forward; bitsandbytes' are not hooked."""
-    import lightning_lowmem.memory.heap as heap
-    from lightning_lowmem import generate
-    from lightning_lowmem.litgpt.generation import load_for_generation
-
-    calls = []
-    monkeypatch.setattr(heap, "release_free_heap", lambda min_free=0: calls.append(min_free) or False)
-    config = tiny_config(n_embd=128, intermediate_size=256)  # each Linear a multiple of NF4's 16,384 weights
-    model, _, _ = load_for_generation(write_litgpt_dir(tmp_path / "tiny", config, tokenizer=False), quantize=scheme)
-    linears = [m for m in model.modules() if type(m.__dict__["_parameters"].get("weight")).__name__
-               in ("NF4Tensor", "Int8Tensor")]
-    assert len(linears) == (0 if scheme.startswith("bnb.") else 4 * config.n_layer)  # lm_head is left out
-    generate(model, [1, 2, 3], max_new_tokens=5, top_k=1)
-    handed_back = [m for m in calls if m == heap.GENERATION_TRIM_AT]  # (not the trim after a first forward)
-    assert len(handed_back) == 5 * (1 + len(linears))
-    assert not [h for m in model.modules() for h in m._forward_hooks.values() if h.__name__ == "hand_back"]
