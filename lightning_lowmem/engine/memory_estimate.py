@@ -254,9 +254,14 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
         est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
         est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype,
                                                         length=max_seq_length)
-        est.heap = GENERATION_TRIM_AT  # what a generation's freed transients may keep resident, at most
+        # what a generation's freed transients may keep resident, at most, and what a forward of quantized layers
+        # keeps until it ends
+        forward_heap = scheme.forward_heap if scheme is not None and est.quantized_params else 0
+        est.heap = GENERATION_TRIM_AT + forward_heap
         est.notes.append(f"upper bound: the freed heap a generation keeps (up to {format_bytes(est.heap)}: more is "
-                         "handed back after the forward that freed it)")
+                         "handed back after the forward that freed it"
+                         + (f"; {format_bytes(forward_heap)} of it what {scheme.name}'s layers free inside one forward"
+                            if forward_heap else "") + ")")
     return est
 
 

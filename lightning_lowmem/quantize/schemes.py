@@ -107,6 +107,10 @@ class QuantScheme:
     first_forward: ClassVar[float] = 2.0
     """Bytes per weight the largest quantized Linear holds in its first forward (a dequantized bf16 copy is
     assumed where not measured)."""
+    forward_heap: ClassVar[int] = 0
+    """Freed heap a forward of the model keeps resident until it ends, beyond a generation's own (``heap`` in the
+    estimate): what its layers free inside one forward (torchao's NF4 dequantizes each weight, its int8 tensors
+    convert theirs), handed back only after the model's forward."""
     shardable: ClassVar[bool] = False
     """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`Transform.quantize_shard`."""
     shards_by_rows: ClassVar[bool] = False

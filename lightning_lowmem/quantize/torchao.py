@@ -58,6 +58,8 @@ class TorchaoScheme(QuantScheme):
     transient: ClassVar[float] = 12.0
     library_bytes: ClassVar[int] = 25 * 2**20
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
+    forward_heap: ClassVar[int] = 8 * 2**20  # measured: generate() peaked 0.1 MiB (pythia-410m) and, over 200 new
+    # tokens, 3.6 MiB (SmolLM2's shapes) above an estimate without it
 
     def torchao_config(self, device: torch.device) -> Any:
         """The ``torchao.quantization`` config object for weights on ``device``."""
@@ -188,6 +190,8 @@ class TorchaoNF4(QuantScheme):
     # estimate counting 25 MiB here, in one of two runs 9 MiB apart
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
     first_forward: ClassVar[float] = 16.5
+    forward_heap: ClassVar[int] = 12 * 2**20  # measured: generate() peaked 7.0 MiB (pythia-410m) and 7.4 MiB
+    # (pythia-160m) above an estimate without it
 
     def __post_init__(self) -> None:
         for name in ("block_size", "scaler_block_size"):
