@@ -256,7 +256,9 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
                                                         length=max_seq_length)
         # what a generation's freed transients may keep resident, at most, and what a forward of quantized layers
         # keeps until it ends
-        forward_heap = scheme.forward_heap if scheme is not None and est.quantized_params else 0
+        forward_heap = scheme.forward_heap + int(est.dequantized * scheme.forward_heap_per_weight
+                                                 / scheme.first_forward) \
+            if scheme is not None and est.quantized_params else 0
         est.heap = GENERATION_TRIM_AT + forward_heap
         est.notes.append(f"upper bound: the freed heap a generation keeps (up to {format_bytes(est.heap)}: more is "
                          "handed back after the forward that freed it"

@@ -111,6 +111,8 @@ class QuantScheme:
     """Freed heap a forward of the model keeps resident until it ends, beyond a generation's own (``heap`` in the
     estimate): what its layers free inside one forward (torchao's NF4 dequantizes each weight, its int8 tensors
     convert theirs), handed back only after the model's forward."""
+    forward_heap_per_weight: ClassVar[float] = 0.0
+    """The part of :attr:`forward_heap` that grows with the largest quantized Linear: bytes per weight of it."""
     shardable: ClassVar[bool] = False
     """Whether its weights can be sharded by rows across ranks (FSDP2): see :meth:`Transform.quantize_shard`."""
     shards_by_rows: ClassVar[bool] = False

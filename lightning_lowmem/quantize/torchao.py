@@ -190,8 +190,10 @@ class TorchaoNF4(QuantScheme):
     # estimate counting 25 MiB here, in one of two runs 9 MiB apart
     library_import_bytes: ClassVar[int] = 13 * 2**20  # measured: 11.4-11.8 MiB
     first_forward: ClassVar[float] = 16.5
-    forward_heap: ClassVar[int] = 12 * 2**20  # measured: generate() peaked 7.0 MiB (pythia-410m) and 7.4 MiB
-    # (pythia-160m) above an estimate without it
+    forward_heap: ClassVar[int] = 8 * 2**20
+    forward_heap_per_weight: ClassVar[float] = 16.5  # one more dequantized transient of the largest Linear kept until
+    # the forward ends. Measured: generate() peaked 7-41 MiB (pythia-160m, its largest Linear's transient 37 MiB) and
+    # 7-34 MiB (pythia-410m, 66 MiB) above an estimate without it, from run to run; nothing on SmolLM2's shapes
 
     def __post_init__(self) -> None:
         for name in ("block_size", "scaler_block_size"):
