@@ -145,7 +145,8 @@ def _run_cli(path: str, directory: Path, quantize: str | None) -> dict:
                 runpy.run_path(str(ROOT / "examples" / "generate.py"), run_name="__main__")
     speed = re.search(r"([\d.]+) tokens/sec", stderr.getvalue())
     lines = [line for line in stdout.getvalue().splitlines() if line.startswith("w")]
-    return {"new": _ids(lines[-1])[PROMPT_TOKENS:] if lines else [],
+    ids = _ids(lines[-1]) if lines else []  # litgpt prints prompt + reply, examples/generate.py the reply
+    return {"new": ids[PROMPT_TOKENS:] if path == "litgpt-cli" else ids,
             "tokens_per_s": float(speed.group(1)) if speed else 0.0}
 
 
