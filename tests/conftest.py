@@ -961,7 +961,7 @@ with MemoryMonitor() as monitor, contextlib.redirect_stdout(out), contextlib.red
         sys.argv = [script, '--checkpoint_dir', directory, '--prompt', prompt, '--max_new_tokens', '50', '--top_k', '1']
         with contextlib.suppress(SystemExit):
             runpy.run_path(script, run_name='__main__')
-        tokens = [int(t[1:]) for t in out.getvalue().split()]
+        tokens = list(range(1, 65)) + [int(t[1:]) for t in out.getvalue().split()]  # it prints the reply
     else:
         lightning_lowmem.patch_litgpt()
         llm = litgpt.api.LLM.load(directory, distribute=None)

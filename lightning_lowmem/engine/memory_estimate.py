@@ -66,6 +66,7 @@ from lightning_lowmem.errors import format_names
 from lightning_lowmem.memory import format_bytes
 from lightning_lowmem.memory.heap import GENERATION_TRIM_AT
 from lightning_lowmem.placement import PlacementPlan, architecture_of
+from lightning_lowmem.quantize import QuantScheme
 from lightning_lowmem.quantize.quantizer import TRIM_AT
 from lightning_lowmem.transfer import block_nbytes
 from lightning_lowmem.transfer.ring import SPARE_SLOTS
@@ -249,22 +250,28 @@ def estimate_prepared(prepared: PreparedLoad, *, model: str, dtype: torch.dtype,
     if prepared.plan.missing:
         est.notes.append(f"{len(prepared.plan.missing)} module tensors are not in the checkpoint")
     if with_caches:
-        architecture = architecture_of(prepared.module)
-        caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype, rope_dtype)
-        est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
-        est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype,
-                                                        length=max_seq_length)
-        # what a generation's freed transients may keep resident, at most, and what a forward of quantized layers
-        # keeps until it ends
-        forward_heap = scheme.forward_heap + int(est.dequantized * scheme.forward_heap_per_weight
-                                                 / scheme.first_forward) \
-            if scheme is not None and est.quantized_params else 0
-        est.heap = GENERATION_TRIM_AT + forward_heap
-        est.notes.append(f"upper bound: the freed heap a generation keeps (up to {format_bytes(est.heap)}: more is "
-                         "handed back after the forward that freed it"
-                         + (f"; {format_bytes(forward_heap)} of it what {scheme.name}'s layers free inside one forward"
-                            if forward_heap else "") + ")")
+        _add_generation(est, prepared, scheme, batch_size, max_seq_length, prompt_length, dtype, rope_dtype)
     return est
+
+
+def _add_generation(est: MemoryEstimate, prepared: PreparedLoad, scheme: QuantScheme | None, batch_size: int,
+                    max_seq_length: int, prompt_length: int, dtype: torch.dtype, rope_dtype: torch.dtype | None) -> None:
+    """What a generation adds to the load: caches, activations, and the freed heap it may keep."""
+    architecture = architecture_of(prepared.module)
+    caches = architecture.cache_bytes(prepared.module, batch_size, max_seq_length, dtype, rope_dtype)
+    est.kv_cache, est.mask, est.rope = caches.kv, caches.mask, caches.rope
+    est.activations = architecture.activation_bytes(prepared.module, batch_size, prompt_length, dtype,
+                                                    length=max_seq_length)
+    # what a generation's freed transients may keep resident, at most, and what a forward of quantized layers
+    # keeps until it ends
+    forward_heap = scheme.forward_heap + int(est.dequantized * scheme.forward_heap_per_weight
+                                             / scheme.first_forward) \
+        if scheme is not None and est.quantized_params else 0
+    est.heap = GENERATION_TRIM_AT + forward_heap
+    est.notes.append(f"upper bound: the freed heap a generation keeps (up to {format_bytes(est.heap)}: more is "
+                     "handed back after the forward that freed it"
+                     + (f"; {format_bytes(forward_heap)} of it what {scheme.name}'s layers free inside one forward"
+                        if forward_heap else "") + ")")
 
 
 def _bounds_note(scheme: str, quantizes: bool, imports: bool = True) -> str:
