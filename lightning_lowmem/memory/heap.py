@@ -91,8 +91,8 @@ def release_free_heap(min_free: int = 0) -> bool:
 
 GENERATION_TRIM_AT = 8 * 2**20
 """The free heap a generation keeps at most (:func:`handing_back_heap`): more is handed back after the forward that
-freed it. A 4-layer Llama of 2048 wide, 800 new tokens in bnb.int8, kept +19 MiB without, +4 MiB with it
-(``benchmarks/generation_growth.py``)."""
+freed it. A 4-layer Llama of 2048 wide, 800 new tokens in bnb.int8, kept +19 MiB without, +4 MiB with it, measured
+on a 2-core CPU (``benchmarks/generation_growth.py`` measures such runs, with and without the hand-back)."""
 
 
 @contextlib.contextmanager

@@ -64,7 +64,6 @@ Example::
 from __future__ import annotations
 
 import difflib
-
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
