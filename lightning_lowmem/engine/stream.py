@@ -21,9 +21,9 @@ shard (a transform, another placement) reads the whole tensor as the one in flig
 rank's part (quantized: ``Quantizer.load_shard``).
 
 Sharded, the stream runs inside a stage of ``ranks.agreement``: a rank that fails here goes straight to the
-agreement at the end of the stream, where the others meet it. A collective inside the stream (the
-all-reduce of a weight's NF4 sums) must be preceded by ``ranks.check_peers()``, so that a rank that failed
-earlier meets the others there instead of leaving them in the collective.
+agreement at the end of the stream, where the others meet it. The one collective inside the stream (the
+all-reduce of a weight's NF4 sums) is also the ranks' failure check (``ranks.agreement.checked_sum``), so that a
+rank that failed earlier meets the others there instead of leaving them in the collective.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ changed under one rank, a damaged tensor one rank reads) must still stop all of 
 would wait forever in the model's first collective. Each stage of a sharded load runs inside
 :func:`agreement`; when the stage ends, on every rank, the ranks exchange whether it succeeded:
 
-* one small all-reduce (``MAX`` of one integer: did any rank fail?), then
+* one small all-reduce (did any rank fail? :func:`_exchange_box`), then
 * when one did, or when the stage shares something (a rank's CRC-32s of what it read), one
   ``all_gather_object`` of each rank's outcome and share.
 
@@ -15,10 +15,12 @@ Then every rank raises the same error: the same type (a ``LowMemError`` subclass
 its own message; the failing rank's error is chained to its own exception. No timeout is involved: a rank
 that fails goes straight to the exchange, which the others reach when their stage ends.
 
-A collective *inside* a stage (an all-reduce while streaming) must be preceded by :func:`check_peers`: the
-same one-integer all-reduce, so that a rank that failed before that collective meets the others there
-instead of leaving them in it. After an agreed error, enclosing stages raise it as it is, with no exchange
-of their own (every rank raised it at the same point).
+A collective *inside* a stage must be preceded by :func:`check_peers`: the same all-reduce, so that a rank that
+failed before that collective meets the others there instead of leaving them in it. A sum inside a stage (the NF4
+block scales of a weight, summed over the ranks holding its rows) is that all-reduce itself
+(:func:`checked_sum`): the failure flag and each group's sum travel in one tensor, so a weight costs one
+collective, not a check and then a sum. After an agreed error, enclosing stages raise it as it is, with no
+exchange of their own (every rank raised it at the same point).
 
 Every collective here runs on the device the process group reduces (``collectives.py``: the CPU under gloo,
 this rank's CUDA device under NCCL). A rank whose process ended inside one (killed for memory) leaves the
@@ -90,14 +92,25 @@ class Agreement:
         self._heard = False  # check_peers already heard of a failure: the status exchange is done
 
     def any_failed(self, failed: bool) -> bool:
-        """One all-reduce of one integer: whether any rank (this one if ``failed``) failed."""
-        import torch
+        """One all-reduce (:func:`_exchange_box`): whether any rank (this one if ``failed``) failed."""
         import torch.distributed as dist
 
-        flag = torch.tensor([int(failed)], dtype=torch.int32, device=collective_device())
+        box = _exchange_box()
+        box[0] = float(failed)
         with collective(f"agreeing whether any rank failed {self.stage}"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            dist.all_reduce(box, op=dist.ReduceOp.SUM)
+        return bool(box[0].item())
+
+
+def _exchange_box() -> Any:
+    """The one tensor every in-stage all-reduce and every stage's failure check reduce (a ``SUM`` over the default
+    group): float64, ``world size + 1`` long; slot 0 counts the ranks that failed, slot ``1 + r`` holds the sum of
+    the group whose lowest rank is ``r`` (:func:`checked_sum`). Every such collective has this one shape, so a rank
+    that failed and went to its stage's end meets the others in whichever of them they are in."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.zeros(dist.get_world_size() + 1, dtype=torch.float64, device=collective_device())
 
 
 _stages: list[Agreement] = []  # the stages this process is in, innermost last
@@ -116,6 +129,33 @@ def check_peers() -> None:
     if stage.any_failed(False):
         stage._heard = True
         raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+
+
+def checked_sum(value: Any, group: Any, what: str) -> Any:
+    """``value`` (a scalar tensor) summed in float64 over the ranks of ``group``, in the one all-reduce that is also
+    :func:`check_peers` (:func:`_exchange_box`): every rank of the default group calls it at the same point.
+
+    Args:
+        value: this rank's part (on any device; the sum comes back on it, with no wait on the host for it).
+        group: the process group whose ranks' values are summed (a mesh dimension's).
+        what: what the sum is, for the message when a rank is lost in it.
+
+    Raises:
+        PeerFailedError: another rank failed before this point (inside a stage of :func:`agreement`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    box = _exchange_box()
+    slot = 1 + min(dist.get_process_group_ranks(group))  # the group's slot: its lowest rank's
+    box[slot] = value.reshape(()).to(box.device, torch.float64)
+    with collective(what):
+        dist.all_reduce(box, op=dist.ReduceOp.SUM)
+    stage = _stages[-1] if _stages else None
+    if stage is not None and stage.active and box[0].item():
+        stage._heard = True
+        raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+    return box[slot].to(value.device)
 
 
 def from_first_rank(make: Callable[[], Any], send: Callable[[Any], Any] = lambda value: value) -> Any:

@@ -77,6 +77,45 @@ def test_on_gloo_the_collectives_run_on_the_cpu(run_ranks):
         assert result.values["shared"] == [{"made on": 0}, {"made on": 0}]
 
 
+
+SUMS = """
+import torch.distributed as dist
+from lightning_lowmem.ranks.agreement import agreement, checked_sum
+
+alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+calls = []
+real = dist.all_reduce
+dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+value = torch.tensor(rank + 0.5, dtype=torch.bfloat16)
+with agreement(True):
+    both = checked_sum(value, mesh.get_group(0), "a sum of both")
+    own = checked_sum(value, alone[rank], "a sum of one")
+emit(both=both.item(), both_dtype=str(both.dtype), own=own.item(), calls=len(calls))
+try:  # rank 1 fails before the sum: rank 0 meets its failure check in the sum's all-reduce
+    with agreement(True, stage="while reading its shard"):
+        if rank == 1:
+            raise OSError(5, "Input/output error (injected)")
+        checked_sum(value, mesh.get_group(0), "a sum of both")
+        emit(went_on=True)
+except Exception as e:
+    emit(error=type(e).__name__, message=str(e))
+"""
+
+
+def test_a_sum_inside_a_stage_is_one_all_reduce_that_also_checks_the_peers(run_ranks):
+    """``checked_sum`` of each rank's group (both ranks, then each alone): the group's float64 sum, back on the
+    value's device, one all-reduce each (the stage's end adds one); a rank that failed before the sum, gone to its
+    stage's end, meets the other in that all-reduce and both raise its error."""
+    ranks = run_ranks(SUMS, {}, timeout=120)
+    for result in ranks:
+        assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
+        got = result.values
+        assert got["both"] == 2.0 and got["own"] == result.rank + 0.5 and got["both_dtype"] == "torch.float64"
+        assert got["calls"] == 3  # two sums + the stage's own failure check, no check_peers beside each sum
+        assert "went_on" not in got and got["error"] == "LowMemError", got  # a bare OSError, wrapped
+        assert "Rank 1 of 2 failed while reading its shard" in got["message"], got["message"]
+        assert "Input/output error" in got["message"]
+
 KILLED = """
 import signal, time
 from litgpt import GPT
@@ -126,13 +165,14 @@ NCCL = """
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl")
 from lightning_lowmem.ranks.collectives import collective_device
-from lightning_lowmem.ranks.agreement import agreement, check_peers
+from lightning_lowmem.ranks.agreement import agreement, check_peers, checked_sum
 
 emit(backend=str(dist.get_backend()), device=str(collective_device()))
 with agreement(True, share=True) as agreed:
     check_peers()
     agreed.share = rank
-emit(shared=agreed.shared)
+    total = checked_sum(torch.tensor(rank + 0.5, device=f"cuda:{rank}"), dist.group.WORLD, "a sum")
+emit(shared=agreed.shared, total=total.item(), total_device=str(total.device))
 try:
     with agreement(True):
         if rank == 0:
@@ -152,6 +192,7 @@ def test_on_nccl_the_agreement_runs_on_this_rank_s_gpu(run_ranks):
         assert not result.timed_out and result.returncode == 0, result.stderr[-3000:]
         assert result.values["backend"] == "nccl" and result.values["device"] == f"cuda:{result.rank}"
         assert result.values["shared"] == list(range(world))
+        assert result.values["total"] == world * world / 2 and result.values["total_device"] == f"cuda:{result.rank}"
         assert "Rank 0 of" in result.values["error"] and "rank 0's own" in result.values["error"]
 
 

@@ -27,10 +27,28 @@ def build(sharded):
         model = shard_model(model, mesh)
     return model
 
+import torch.distributed as dist
+
+def all_reduces(load):
+    # how many all-reduces load() makes
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        load()
+    finally:
+        dist.all_reduce = real
+    return len(calls)
+
 reference = torch.load(args["reference"], weights_only=True)
 share = sum(torch.chunk(t, world)[rank].nbytes for t in reference.values())
+plain = build(sharded=False)
+plain_reduces = all_reduces(lambda: load_checkpoint(shard_model(plain, mesh), args["path"], progress=False))
 model = build(sharded=True)
-report = load_checkpoint(model, args["path"], quantize="torchao.nf4", progress=False)
+report = None
+def load_nf4():
+    global report
+    report = load_checkpoint(model, args["path"], quantize="torchao.nf4", progress=False)
+nf4_reduces = all_reduces(load_nf4)
 single = build(sharded=False)
 load_checkpoint(single, args["path"], quantize="torchao.nf4", progress=False)
 different = []
@@ -45,7 +63,7 @@ tokens = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(
 with torch.no_grad():
     same = torch.equal(model(tokens), single(tokens))
 emit(bytes_read=report.bytes_read, share=share, quantized=len(report.quantized), different=different,
-     logits_equal=same)
+     logits_equal=same, all_reduces_over_bf16=nf4_reduces - plain_reduces)
 
 # a read error on rank 1 before the second block's qkv weight: rank 0 stops before that weight's all-reduce
 model = build(sharded=True)
@@ -75,7 +93,8 @@ def nf4_checkpoint(tmp_path_factory, shard_config, tiny_gpt, write_checkpoint):
 
 def test_each_rank_reads_and_quantizes_only_its_rows(run_ranks, shard_config, nf4_checkpoint):
     """Bytes read per rank == its share of the file, every NF4 shard bit for bit ``torch.chunk(to_nf4(w))``'s, the
-    logits those of a single-process NF4 load; then an injected read error on rank 1 raises on both ranks."""
+    logits those of a single-process NF4 load, one all-reduce per quantized weight more than a bf16 load makes;
+    then an injected read error on rank 1 raises on both ranks."""
     path, reference = nf4_checkpoint
     ranks = run_ranks(NF4_BY_ROWS, dict(config=shard_config, path=path, reference=reference), timeout=300)
     for result in ranks:
@@ -84,6 +103,7 @@ def test_each_rank_reads_and_quantizes_only_its_rows(run_ranks, shard_config, nf
         assert got["quantized"] == 8
         assert got["bytes_read"] == got["share"], result.rank  # its rows only, the quantized weights too
         assert got["different"] == [] and got["logits_equal"], result.rank
+        assert got["all_reduces_over_bf16"] == got["quantized"]  # one per quantized weight: the sum is the check
     assert sum(r.values["share"] for r in ranks) == sum(
         t.nbytes for t in torch.load(reference, weights_only=True).values())
     # both ranks raise the failing rank's error, naming it (rank 0 met it in the check before its all-reduce)
