@@ -952,6 +952,7 @@ _MEASURE = """
 import contextlib, io, json, runpy, sys, torch, litgpt, litgpt.api, litgpt.generate.base, lightning_lowmem
 from lightning_lowmem.memory import MemoryMonitor
 directory, path, prompt, script = sys.argv[1:]
+prompt_ids = [int(t[1:]) for t in prompt.split()]  # PEAK_PROMPT's words are its token ids: t1 .. t64
 out, err, model_peak = io.StringIO(), io.StringIO(), None
 with MemoryMonitor() as monitor, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     if path == 'entry-point':
@@ -961,13 +962,13 @@ with MemoryMonitor() as monitor, contextlib.redirect_stdout(out), contextlib.red
         sys.argv = [script, '--checkpoint_dir', directory, '--prompt', prompt, '--max_new_tokens', '50', '--top_k', '1']
         with contextlib.suppress(SystemExit):
             runpy.run_path(script, run_name='__main__')
-        tokens = list(range(1, 65)) + [int(t[1:]) for t in out.getvalue().split()]  # it prints the reply
+        tokens = prompt_ids + [int(t[1:]) for t in out.getvalue().split()]  # it prints the reply
     else:
         lightning_lowmem.patch_litgpt()
         llm = litgpt.api.LLM.load(directory, distribute=None)
         llm.distribute(accelerator='cpu', precision='bf16-true')
         ids = llm.generate(prompt, max_new_tokens=50, top_k=1, return_as_token_ids=True)
-        tokens = list(range(1, 65)) + ids.tolist()
+        tokens = prompt_ids + ids.tolist()
 print(json.dumps({'peak': monitor.usage.rss_peak_delta, 'tokens': tokens, 'stderr': err.getvalue(),
                   'model_peak': model_peak}))
 """

@@ -101,6 +101,13 @@ class Agreement:
             dist.all_reduce(box, op=dist.ReduceOp.SUM)
         return bool(box[0].item())
 
+    def stop_if(self, failed: bool) -> None:
+        """Raise :class:`PeerFailedError` when an in-stage check heard that another rank ``failed``: the status
+        exchange is then done, and the stage's end exchanges the ranks' errors."""
+        if failed:
+            self._heard = True
+            raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+
 
 def _exchange_box() -> Any:
     """The one tensor every in-stage all-reduce and every stage's failure check reduce (a ``SUM`` over the default
@@ -116,6 +123,12 @@ def _exchange_box() -> Any:
 _stages: list[Agreement] = []  # the stages this process is in, innermost last
 
 
+def _active_stage() -> Agreement | None:
+    """The innermost stage this process is in, where the ranks take part in it."""
+    stage = _stages[-1] if _stages else None
+    return stage if stage is not None and stage.active else None
+
+
 def check_peers() -> None:
     """Call immediately before a collective inside a stage of :func:`agreement` (an all-reduce while streaming).
 
@@ -123,12 +136,9 @@ def check_peers() -> None:
         PeerFailedError: another rank failed before reaching this point; the stage's agreement then raises
             that rank's error on every rank. Without an active stage, nothing is exchanged.
     """
-    stage = _stages[-1] if _stages else None
-    if stage is None or not stage.active:
-        return
-    if stage.any_failed(False):
-        stage._heard = True
-        raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+    stage = _active_stage()
+    if stage is not None:
+        stage.stop_if(stage.any_failed(False))
 
 
 def checked_sum(value: Any, group: Any, what: str) -> Any:
@@ -151,10 +161,9 @@ def checked_sum(value: Any, group: Any, what: str) -> Any:
     box[slot] = value.reshape(()).to(box.device, torch.float64)
     with collective(what):
         dist.all_reduce(box, op=dist.ReduceOp.SUM)
-    stage = _stages[-1] if _stages else None
-    if stage is not None and stage.active and box[0].item():
-        stage._heard = True
-        raise PeerFailedError("Another rank failed; its error is raised once the ranks have exchanged it.")
+    stage = _active_stage()
+    if stage is not None:
+        stage.stop_if(bool(box[0].item()))
     return box[slot].to(value.device)
 
 
@@ -165,8 +174,8 @@ def from_first_rank(make: Callable[[], Any], send: Callable[[Any], Any] = lambda
     Rank 0 makes first, then every rank calls :func:`check_peers`, then rank 0 broadcasts: a rank 0 that fails
     while making meets the others in their check instead of leaving them in the broadcast.
     """
-    stage = _stages[-1] if _stages else None
-    if stage is None or not stage.active:
+    stage = _active_stage()
+    if stage is None:
         return make()
     import torch.distributed as dist
 
