@@ -11,13 +11,14 @@ lightning_lowmem, torch's own idiom (meta + mmap + ``assign=True``), accelerate,
 generate``'s own load, Fabric's ``load_raw``, and for quantization each library's load-then-quantize path. The
 limits: reading the file warm (into a reused buffer, and into fresh memory) and each quantization kernel alone.
 
-Every run is a fresh process, the files it reads put in the page cache first. Rounds are interleaved: each
-round runs every method once quiet and once with one competing process (``python -c "while True: pass"``,
-started and stopped here), so a slow spell hits every method alike. Columns: the median over rounds of the
-load's seconds (build + load, imports excluded) and of the time to first forward (load + one forward of
-1 x 16 tokens), their range, and the highest peak RSS above the RSS before the load (load and first forward,
-file-backed pages of a mapped file included), in MiB and over the final model's bytes. The load average at
-the start of each round is printed, and per-round ratios of lightning_lowmem to the methods it is held to.
+Every run is a fresh process, the files it reads put in the page cache first. Rounds are interleaved: each round
+runs every method once quiet and once with one competing process (``python -c "while True: pass"``, started and
+stopped here), so a slow spell hits every method alike; each round starts a case at another of its methods, so that
+no method is always the one run right after another case's. Columns: the median over rounds of the load's seconds
+(build + load, imports excluded) and of the time to first forward (load + one forward of 1 x 16 tokens), their
+range, and the highest peak RSS above the RSS before the load (load and first forward, file-backed pages of a mapped
+file included), in MiB and over the final model's bytes. The load average at the start of each round is printed, and
+per-round ratios of lightning_lowmem to the methods it is held to.
 
 Writes ``peers.md`` (the tables), ``peers.json`` (every run) and ``peers.png`` (a bar chart of the time to
 first forward) under ``--out``.
@@ -114,16 +115,23 @@ class Competitor:
         self.proc.wait()
 
 
-def selected(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
-    """``(case, method, checkout)`` of every run in one round: this checkout's, and the baseline's lowmem rows."""
+def selected(args: argparse.Namespace, round_index: int = 0) -> list[tuple[str, str, Path]]:
+    """``(case, method, checkout)`` of every run in one round: this checkout's, and the baseline's lowmem rows.
+
+    Each case's runs are rotated by ``round_index``, so that no method is always the first one after another
+    case's: that run pays the kernel's cleanup after the process before it (measured: several times the system time
+    of the same load run second), and with a fixed order the same method would pay it every round."""
     out = []
     for case, methods in CASES.items():
         if args.only and not any(o == case or o in case.split() for o in args.only):
             continue
+        runs = []
         for method in methods:
-            out.append((case, method, ROOT))
+            runs.append((case, method, ROOT))
             if args.baseline and method.startswith("lowmem"):
-                out.append((case, method + " (baseline)", args.baseline))
+                runs.append((case, method + " (baseline)", args.baseline))
+        shift = round_index % len(runs)
+        out += runs[shift:] + runs[:shift]
     return out
 
 
@@ -135,7 +143,7 @@ def rounds(args: argparse.Namespace) -> tuple[dict, list[dict]]:
         for condition in args.conditions:
             loads.append({"round": r + 1, "condition": condition, "load average": os.getloadavg()[0]})
             with Competitor() if condition == "busy" else _Quiet():
-                for case, method, checkout in selected(args):
+                for case, method, checkout in selected(args, r):
                     result = run(args, case, method.removesuffix(" (baseline)"), checkout)
                     runs[condition].setdefault((case, method), []).append(result)
                     print(f"round {r + 1} {condition}: {case} / {method}: {result}", file=sys.stderr, flush=True)
@@ -230,7 +238,8 @@ def report(args: argparse.Namespace, all_runs: dict[str, dict], loads: list[dict
     model_bytes = _safetensors_nbytes(paths(args.model, args.workdir)["safetensors"])
     lines = [environment(["lightning", "litgpt", "transformers", "accelerate", "bitsandbytes", "torchao", "gguf"]),
              f"model: {args.model} config, random weights, bf16 model {model_bytes / MiB:.0f} MiB; {args.rounds} "
-             f"interleaved round(s); page cache warm before each run; a fresh process per run", "",
+             f"interleaved round(s), each case's order rotated per round; page cache warm before each run; "
+             f"a fresh process per run", "",
              "load average (1 min) at the start of each round: " + ", ".join(
                  f"{x['round']} {x['condition']} {x['load average']:.2f}" for x in loads), ""]
     for condition, runs in all_runs.items():
