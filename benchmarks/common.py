@@ -9,6 +9,7 @@ written once under ``--workdir`` in the layouts users have (:func:`write_checkpo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -22,6 +23,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("lightning_lowmem") is None:
+    # run from a checkout that is not installed: its own library. Appended, so that a child given another
+    # checkout on PYTHONPATH (a baseline) keeps that one.
+    sys.path.append(str(ROOT))
 MiB = 2**20
 GiB = 2**30
 WORKDIR = Path.home() / ".cache" / "lightning_lowmem" / "bench"

@@ -18,7 +18,8 @@ no method is always the one run right after another case's. Columns: the median 
 (build + load, imports excluded) and of the time to first forward (load + one forward of 1 x 16 tokens), their
 range, and the highest peak RSS above the RSS before the load (load and first forward, file-backed pages of a mapped
 file included), in MiB and over the final model's bytes. The load average at the start of each round is printed, and
-per-round ratios of lightning_lowmem to the methods it is held to.
+per-round ratios of lightning_lowmem to the methods it is held to; beside a baseline checkout, also of the CPU
+seconds (user and system) of the load and the first forward: the same work, apart from the wall clock's noise.
 
 Writes ``peers.md`` (the tables), ``peers.json`` (every run) and ``peers.png`` (a bar chart of the time to
 first forward) under ``--out``.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -57,12 +59,15 @@ def worker(case: str, method: str, model: str, workdir: Path) -> dict:
     if case == "limits":
         return {"load": peer_methods.limit(method, model, workdir)}
     _import_for(case, method)
+    before = resource.getrusage(resource.RUSAGE_SELF)
     with MemoryMonitor() as loading:
         net = peer_methods.build(case, method, model, workdir)
     with MemoryMonitor() as forward:
         peer_methods.first_forward(net, peer_methods._config(model).vocab_size)
+    after = resource.getrusage(resource.RUSAGE_SELF)
     start = loading.usage.rss_start
     return {"load": loading.usage.seconds, "first_forward": loading.usage.seconds + forward.usage.seconds,
+            "user": after.ru_utime - before.ru_utime, "sys": after.ru_stime - before.ru_stime,
             "peak_load": loading.usage.rss_peak - start,
             "peak": max(loading.usage.rss_peak, forward.usage.rss_peak) - start, "final": module_nbytes(net)}
 
@@ -202,6 +207,13 @@ def ratios(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
         if per:
             lines.append(f"{case}: {ours} / {theirs}, time to first forward: median {median(per):.2f} "
                          f"(rounds: {', '.join(f'{x:.2f}' for x in per)})")
+        cpu = [(x["user"] / y["user"], x["sys"] / y["sys"]) for x, y in zip(a, b)
+               if "user" in x and "user" in y and y["user"] > 0 and y["sys"] > 0]
+        if cpu and theirs.endswith(" (baseline)"):  # the same work: its CPU seconds, apart from the wall clock's noise
+            lines.append(f"{case}: {ours} / {theirs}, CPU seconds to first forward: user median "
+                         f"{median([u for u, _ in cpu]):.2f} (rounds: {', '.join(f'{u:.2f}' for u, _ in cpu)}), "
+                         f"system median {median([k for _, k in cpu]):.2f} "
+                         f"(rounds: {', '.join(f'{k:.2f}' for _, k in cpu)})")
     return lines
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_lowmem.arguments import check_int, check_real
 from lightning_lowmem.engine import (
     CPU_RUNTIME,
     LoadOptions,
@@ -87,7 +88,10 @@ def estimate_memory(
 
     Raises:
         CheckpointNotFoundError: ``source`` is a string that is neither an existing path nor a litgpt model name.
-        TypeError: ``config`` is not a model name, a ``Config`` or a path.
+        TypeError: ``config`` is not a model name, a ``Config`` or a path; a length, ``runtime`` or
+            ``read_bandwidth`` is not a number.
+        ValueError: a length below 1, ``prompt_length`` above ``max_seq_length``, ``runtime`` below 0,
+            ``read_bandwidth`` not above 0.
 
     Example::
 
@@ -98,6 +102,7 @@ def estimate_memory(
         >>> estimate_memory("pythia-1b", quantize="bnb.nf4", max_seq_length=114).weights == est.weights
         True
     """
+    _check_arguments(max_seq_length, prompt_length, runtime, read_bandwidth)
     import_litgpt(needed_by="lightning_lowmem.estimate_memory()")  # its model is litgpt's GPT
     options = LoadOptions.merge(options, estimate_memory, dtype=dtype, quantize=quantize, **load_options)
     options = dataclasses.replace(options, dtype=generation_dtype(options.dtype), strict=False)
@@ -135,6 +140,18 @@ def estimate_memory(
     if speed := cpu_speed_note(options.quantize, execution_device(options, default_device())):
         est.notes.append(speed)
     return est
+
+
+def _check_arguments(max_seq_length: object, prompt_length: object, runtime: object,
+                     read_bandwidth: object) -> None:
+    """Raise on an argument of the estimate's own that no load would check (see ``lightning_lowmem.arguments``)."""
+    check_int("max_seq_length", max_seq_length, optional=True)
+    check_int("prompt_length", prompt_length, optional=True)
+    check_int("runtime", runtime, 0)
+    check_real("read_bandwidth", read_bandwidth, 0.0, above=True, optional=True)
+    if max_seq_length is not None and prompt_length is not None and prompt_length > max_seq_length:
+        raise ValueError(f"prompt_length={prompt_length} is above max_seq_length={max_seq_length}: the positions "
+                         "held are the prompt's and the new tokens'; pass max_seq_length >= prompt_length.")
 
 
 DEFAULT_PROMPT = 64

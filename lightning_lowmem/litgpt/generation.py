@@ -27,7 +27,7 @@ from lightning_lowmem.engine import LoadOptions, LoadReport
 from lightning_lowmem.request.defaults import execution_device, generation_dtype
 from lightning_lowmem.litgpt.checkpoint_dir import LitgptCheckpoint, load_litgpt
 from lightning_lowmem.litgpt.compiled import compile_blocker, compiled_decoding
-from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, setup_kv_cache, unwrap_model
+from lightning_lowmem.litgpt.kv_cache import cache_bytes, check_length, model_device, setup_kv_cache, unwrap_model
 from lightning_lowmem.litgpt.prompt_style import styled_prompt
 from lightning_lowmem.litgpt.request import check_request
 from lightning_lowmem.litgpt.requirement import import_litgpt
@@ -285,7 +285,7 @@ def generate(
             if on_load is not None:
                 on_load(report)
         with report.disk if report is not None and report.disk is not None else contextlib.nullcontext():
-            device = execution_device(options, "cpu") if report is not None else next(model.parameters()).device
+            device = execution_device(options, "cpu") if report is not None else model_device(model)
             result = GenerateResult(tokens=[], prompt_length=ids.numel(), load_report=report)
             decoding = compiled_decoding(device, blocked_by=compile_blocker(report, model)) if compile else None
             with decoding if decoding is not None else contextlib.nullcontext():

@@ -30,6 +30,8 @@ from lightning_lowmem.litgpt.guard import install_cache_guard
 from lightning_lowmem.litgpt.rope import generation_rope_dtype_of, is_litgpt_like, resize_rope
 from lightning_lowmem.meta import fabric_unwrapped
 from lightning_lowmem.placement import CacheBytes
+from lightning_lowmem.runtime import streamers_in
+from lightning_lowmem.runtime.execution import forward_device
 
 
 def setup_kv_cache(
@@ -146,15 +148,17 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where the model's parameters are; raises if any is still on meta."""
+    """Where the model's forward computes (``runtime.execution.forward_device``: the device its offloaded or on-disk
+    layers are brought to, else its parameters'); raises if a parameter is still on meta and nothing streams it."""
+    if streamers_in(model):
+        return forward_device(model)
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise MetaTensorError(
             f"Cannot set up KV caches: {len(meta)} parameters are still on the meta device: {format_names(meta)}. "
             "Load the weights first (lightning_lowmem.load_checkpoint) or pass device= explicitly."
         )
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
+    return forward_device(model) or torch.device("cpu")
 
 
 def kv_caches(model: nn.Module) -> Iterator[nn.Module]:

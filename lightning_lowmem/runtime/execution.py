@@ -26,6 +26,8 @@ load's options into its questions):
     default_device()                                   litgpt's default: CUDA when there is one, else the CPU
     compute_dtype(dtype, device)                       ``dtype``, but fp16 for bf16 where ``device`` lacks bf16
     path_device(plan)                                  the device whose tensors a load copies through a copy engine
+    forward_device(model)                              where a model's forward computes: its streamers' device
+                                                       (layers offloaded or on disk), else its first parameter's
     collective_device(group) / mesh_device(mesh)       this rank's device for a collective, or for a DTensor's
                                                        shards: the one its process group is bound to, else
                                                        ``LOCAL_RANK``'s, else the only one; never the current
@@ -40,8 +42,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import nn
 
 from lightning_lowmem.dtypes import fallback_dtype
+from lightning_lowmem.runtime.guard import streamers_in
 from lightning_lowmem.runtime.rank_device import collective_device, device_index, device_type_for, mesh_device
 from lightning_lowmem.transfer import ENGINES
 from lightning_lowmem.memory import format_bytes
@@ -232,6 +236,16 @@ def compute_dtype(dtype: torch.dtype | None, device: torch.device | str) -> torc
     return None if dtype is None else fallback_dtype(dtype, device, warn=False)
 
 
+def forward_device(model: nn.Module) -> torch.device | None:
+    """Where ``model``'s forward computes, for its inputs and its caches: the device its streamers bring their layers
+    to (layers offloaded to the CPU or read from disk: their masters are elsewhere, the first of them is often the
+    input embedding), else the device of its first parameter not on meta (the input embedding, for the models the
+    faces run), else None (no parameters, or only meta ones)."""
+    for streamer in streamers_in(model):
+        return torch.device(streamer.device)
+    return next((p.device for p in model.parameters() if not p.is_meta), None)
+
+
 def path_device(plan: LoadPlan) -> torch.device | None:
     """The device whose tensors take a load's device path: the first one of ``plan`` with a copy engine
     (``transfer.ENGINES``: CUDA), or None."""
@@ -239,4 +253,4 @@ def path_device(plan: LoadPlan) -> torch.device | None:
 
 
 __all__ = ["ExecutionPlan", "LayerRun", "Tier", "collective_device", "compute_dtype", "default_device",
-           "device_index", "device_type_for", "execution_device", "mesh_device", "path_device"]
+           "device_index", "device_type_for", "execution_device", "forward_device", "mesh_device", "path_device"]

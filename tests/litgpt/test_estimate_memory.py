@@ -116,6 +116,21 @@ def test_past_the_block_size_and_the_table(tiny_config):
         assert label in table
 
 
+@pytest.mark.parametrize(("arguments", "error", "match"), [
+    ({"max_seq_length": 0}, ValueError, "max_seq_length must be an int >= 1 or None, got 0"),
+    ({"max_seq_length": 40.0}, TypeError, "max_seq_length must be an int >= 1 or None, got 40.0"),
+    ({"prompt_length": -8}, ValueError, "prompt_length must be an int >= 1 or None, got -8"),
+    ({"prompt_length": True}, TypeError, "prompt_length must be an int"),
+    ({"max_seq_length": 8, "prompt_length": 40}, ValueError, "prompt_length=40 is above max_seq_length=8"),
+    ({"runtime": -1}, ValueError, "runtime must be an int >= 0, got -1"),
+    ({"read_bandwidth": 0}, ValueError, "read_bandwidth must be a finite number > 0.0 or None, got 0"),
+    ({"read_bandwidth": float("nan")}, ValueError, "read_bandwidth must be a finite number"),
+])
+def test_the_estimates_own_arguments_are_checked(tiny_config, arguments, error, match):
+    with pytest.raises(error, match=match):
+        estimate_memory(tiny_config("gqa"), **arguments)
+
+
 @pytest.mark.parametrize("scheme", ["bnb.nf4", "bnb.int8"])
 def test_a_library_import_transformers_holds_already_is_not_counted_twice(tmp_path, write_transformers_dir, tiny_config,
                                                                            tiny_gpt, scheme):

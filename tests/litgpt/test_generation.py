@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_lowmem import CheckpointMismatchError, estimate_memory, generate, patch_litgpt, unpatch_litgpt
+from lightning_lowmem import (
+    CheckpointMismatchError,
+    estimate_memory,
+    generate,
+    layer_offload,
+    patch_litgpt,
+    unpatch_litgpt,
+)
+from lightning_lowmem.litgpt.kv_cache import model_device
 
 PROMPT = "t5 t17 t3 t99 t42 t8"
 
@@ -144,6 +152,33 @@ def test_cuda_caches_on_the_device_and_device_peak(tmp_path, tiny_config, write_
     assert result.tokens[0].device.type == "cuda"
     assert result.memory.kv_cache == estimate_memory(directory, quantize=quantize, max_seq_length=14).kv_cache
     assert result.memory.device_peak is not None and result.memory.device_peak > result.memory.weights
+
+
+OFFLOADED_FIRST = ["transformer.wte", "transformer.h.0", "transformer.h.1"]
+"""Layers kept on the host, the input embedding among them: the first parameter is not where the model computes."""
+
+
+def test_a_model_whose_first_layers_are_offloaded_computes_where_its_offload_runs(tiny_config, tiny_gpt):
+    """The device of a model handed to generate and setup_kv_cache is the one its offload brings layers to, not its
+    first parameter's (the input embedding's master, on the host); a CPU check of the decision, on meta."""
+    model = tiny_gpt(tiny_config("gqa"))
+    assert model_device(model) == torch.device("cpu")
+    handle = layer_offload(model, "meta", layers=OFFLOADED_FIRST)
+    assert model.transformer.wte.weight.device.type == "cpu"  # the master: where the first parameter is
+    assert model_device(model) == torch.device("meta")
+    handle.remove()
+    assert model_device(model) == torch.device("cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_generate_on_a_model_whose_embedding_is_offloaded(tiny_config, tiny_gpt):
+    model = tiny_gpt(tiny_config("gqa")).cuda()
+    expected = generate(model, [1, 2, 3], max_new_tokens=6, temperature=0.0).tokens[0].tolist()
+    layer_offload(model, "cuda", layers=OFFLOADED_FIRST)
+    assert model.transformer.wte.weight.device.type == "cpu"
+    result = generate(model, [1, 2, 3], max_new_tokens=6, temperature=0.0)
+    assert result.tokens[0].device.type == "cuda" and result.tokens[0].tolist() == expected
 
 
 def test_a_text_prompt_without_a_tokenizer_fails_before_any_read(tmp_path, tiny_config, write_litgpt_dir,
