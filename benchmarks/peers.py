@@ -13,13 +13,14 @@ limits: reading the file warm (into a reused buffer, and into fresh memory) and 
 
 Every run is a fresh process, the files it reads put in the page cache first. Rounds are interleaved: each round
 runs every method once quiet and once with one competing process (``python -c "while True: pass"``, started and
-stopped here), so a slow spell hits every method alike; each round starts a case at another of its methods, so that
-no method is always the one run right after another case's. Columns: the median over rounds of the load's seconds
-(build + load, imports excluded) and of the time to first forward (load + one forward of 1 x 16 tokens), their
-range, and the highest peak RSS above the RSS before the load (load and first forward, file-backed pages of a mapped
-file included), in MiB and over the final model's bytes. The load average at the start of each round is printed, and
-per-round ratios of lightning_lowmem to the methods it is held to; beside a baseline checkout, also of the CPU
-seconds (user and system) of the load and the first forward: the same work, apart from the wall clock's noise.
+stopped here), so a slow spell hits every method alike; the order moves (every other round a case starts at another
+of its methods, and a method's baseline run goes before it in every other round), so that no method is always the
+one run right after another's. Columns: the median over rounds of the load's seconds (build + load, imports
+excluded) and of the time to first forward (load + one forward of 1 x 16 tokens), their range, and the highest peak
+RSS above the RSS before the load (load and first forward, file-backed pages of a mapped file included), in MiB and
+over the final model's bytes. The load average at the start of each round is printed, and per-round ratios of
+lightning_lowmem to the methods it is held to; beside a baseline checkout, also of the CPU seconds (user and system)
+of the load and the first forward: the same work, apart from the wall clock's noise.
 
 Writes ``peers.md`` (the tables), ``peers.json`` (every run) and ``peers.png`` (a bar chart of the time to
 first forward) under ``--out``.
@@ -123,20 +124,23 @@ class Competitor:
 def selected(args: argparse.Namespace, round_index: int = 0) -> list[tuple[str, str, Path]]:
     """``(case, method, checkout)`` of every run in one round: this checkout's, and the baseline's lowmem rows.
 
-    Each case's runs are rotated by ``round_index``, so that no method is always the first one after another
-    case's: that run pays the kernel's cleanup after the process before it (measured: several times the system time
-    of the same load run second), and with a fixed order the same method would pay it every round."""
+    The run right after another method's pays the kernel's cleanup after that process (measured: several times the
+    system time of the same load run after its own kind), so the order moves each round: a case's methods are
+    rotated every other round (no method always the first after another case's), and each method runs beside its
+    baseline run, this checkout's first in even rounds and the baseline's first in odd ones (in 4 rounds, each
+    follows the other twice)."""
     out = []
     for case, methods in CASES.items():
         if args.only and not any(o == case or o in case.split() for o in args.only):
             continue
-        runs = []
+        units = []
         for method in methods:
-            runs.append((case, method, ROOT))
+            unit = [(case, method, ROOT)]
             if args.baseline and method.startswith("lowmem"):
-                runs.append((case, method + " (baseline)", args.baseline))
-        shift = round_index % len(runs)
-        out += runs[shift:] + runs[:shift]
+                unit.append((case, method + " (baseline)", args.baseline))
+            units.append(unit[::-1] if round_index % 2 else unit)
+        shift = round_index // 2 % len(units)
+        out += [run for unit in units[shift:] + units[:shift] for run in unit]
     return out
 
 
