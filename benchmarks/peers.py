@@ -211,9 +211,11 @@ def ratios(runs: dict[tuple[str, str], list[dict]]) -> list[str]:
         if per:
             lines.append(f"{case}: {ours} / {theirs}, time to first forward: median {median(per):.2f} "
                          f"(rounds: {', '.join(f'{x:.2f}' for x in per)})")
-        cpu = [(x["user"] / y["user"], x["sys"] / y["sys"]) for x, y in zip(a, b)
-               if "user" in x and "user" in y and y["user"] > 0 and y["sys"] > 0]
-        if cpu and theirs.endswith(" (baseline)"):  # the same work: its CPU seconds, apart from the wall clock's noise
+        if not theirs.endswith(" (baseline)"):
+            continue
+        cpu = [(x["user"] / y["user"], x["sys"] / y["sys"]) for x, y in zip(a, b)  # the same work: its CPU seconds,
+               if "user" in x and "user" in y and y["user"] > 0 and y["sys"] > 0]  # apart from the wall's noise
+        if cpu:
             lines.append(f"{case}: {ours} / {theirs}, CPU seconds to first forward: user median "
                          f"{median([u for u, _ in cpu]):.2f} (rounds: {', '.join(f'{u:.2f}' for u, _ in cpu)}), "
                          f"system median {median([k for _, k in cpu]):.2f} "
@@ -254,7 +256,7 @@ def report(args: argparse.Namespace, all_runs: dict[str, dict], loads: list[dict
     model_bytes = _safetensors_nbytes(paths(args.model, args.workdir)["safetensors"])
     lines = [environment(["lightning", "litgpt", "transformers", "accelerate", "bitsandbytes", "torchao", "gguf"]),
              f"model: {args.model} config, random weights, bf16 model {model_bytes / MiB:.0f} MiB; {args.rounds} "
-             f"interleaved round(s), each case's order rotated per round; page cache warm before each run; "
+             f"interleaved round(s), each case's order moved between rounds; page cache warm before each run; "
              f"a fresh process per run", "",
              "load average (1 min) at the start of each round: " + ", ".join(
                  f"{x['round']} {x['condition']} {x['load average']:.2f}" for x in loads), ""]
