@@ -147,8 +147,11 @@ print(json.dumps({"peak": report.memory.rss_peak_delta, "final": report.bytes_lo
 def test_a_large_weight_is_never_whole_in_memory(tmp_path, child_env, scheme):
     """Two 128 MiB weights (in bf16), quantized as blocks of rows are read: the peak stays far below one of them.
 
-    Measured here: the peak was the final model + 24 MiB (nf4) and + 19-22 MiB (int8); reading each
-    weight whole before quantizing it, as the previous version did, peaked at + 150 MiB and + 146 MiB.
+    Measured here (2 cores, torch 2.13, bitsandbytes 0.50, a fresh process each): the peak was the final model
+    + 34-46 MiB (nf4) and + 29-38 MiB (int8) over 10 runs each, quiet and beside two busy processes, and + 49 MiB
+    (nf4) once in the full suite (the reading threads' heap; bitsandbytes' first 4-bit call alone is 11 MiB).
+    Reading each weight whole before quantizing it, as an earlier version did, peaked at + 150 MiB and + 146 MiB:
+    the bound, half of one weight, tells the two apart.
     """
     torch.manual_seed(0)
     source = torch.nn.Sequential(torch.nn.Linear(1024, 65536), torch.nn.Linear(65536, 1024)).to(torch.bfloat16)
@@ -156,7 +159,7 @@ def test_a_large_weight_is_never_whole_in_memory(tmp_path, child_env, scheme):
     del source
     result = _run(child_env, BIG_LINEAR, tmp_path / "big.safetensors", scheme)
     print(scheme, {k: round(v / 2**20, 1) for k, v in result.items()})
-    assert result["peak"] <= result["final"] + 48 * 2**20, result  # one weight alone is 128 MiB
+    assert result["peak"] <= result["final"] + 64 * 2**20, result  # one weight alone is 128 MiB
 
 
 DISK = """
