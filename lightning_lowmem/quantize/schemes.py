@@ -119,6 +119,11 @@ class QuantScheme:
     across the ranks (:meth:`Transform.quantize_own_rows`): each rank then reads only its rows. False, for a
     shardable scheme: each rank reads the whole weight, quantizes it and keeps its rows."""
 
+    def transient_nbytes(self, numel: int) -> int:
+        """What quantizing ``numel`` elements at once (one block of rows, or the whole weight) holds beyond its input
+        and its result: :attr:`transient` bytes per element, unless the scheme says more."""
+        return int(self.transient * numel)
+
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """Bytes stored for a weight of ``shape`` (``(out_features, in_features)``), scales included."""
         raise NotImplementedError

@@ -45,7 +45,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lightning_lowmem.quantize.nf4 import NF4Linear, nf4_parts, quantize_own_rows, quantize_rows
+from lightning_lowmem.quantize.nf4 import (CODE_BLOCK, CODE_WORKSPACE, NF4Linear, nf4_parts, quantize_own_rows,
+                                            quantize_rows)
 from lightning_lowmem.quantize.rows import RowSource, map_rows
 from lightning_lowmem.quantize.schemes import QuantScheme, Transform, register_scheme, register_transform
 
@@ -200,6 +201,11 @@ class TorchaoNF4(QuantScheme):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 1, got {value!r}.")
+
+    def transient_nbytes(self, numel: int) -> int:
+        """:attr:`transient` bytes per element, and never less than the workspace of one block of codes (``nf4.py``'s
+        ``CODE_BLOCK`` elements, or the whole weight where it is smaller): ``CODE_WORKSPACE`` bytes per element."""
+        return max(super().transient_nbytes(numel), min(numel, CODE_BLOCK) * CODE_WORKSPACE)
 
     def stored_nbytes(self, shape: tuple[int, ...]) -> int:
         """4-bit codes, an int8 scale per block, a bf16 scale per ``scaler_block_size`` scales, a bf16 mean and

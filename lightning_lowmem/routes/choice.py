@@ -130,7 +130,7 @@ class Whole(Route):
         t = self.target
         if t.shard is not None:  # the whole tensor as read (and cast), this rank's part copied out of it
             cast = t.record.numel * t.dtype.itemsize if t.dtype != t.record.dtype or t.scheme is not None else 0
-            quantize = int(t.scheme.transient * t.record.numel) if t.scheme is not None else 0
+            quantize = t.scheme.transient_nbytes(t.record.numel) if t.scheme is not None else 0
             return t.record.tensor_nbytes + cast + quantize + decode(t)
         if t.scheme is None:
             return as_read(t) + decode(t)

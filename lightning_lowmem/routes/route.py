@@ -131,7 +131,7 @@ def quantized_nbytes(target: Target, held: int) -> int:
     cast = target.cast_nbytes
     if target.scheme.by_rows:  # quantized a block of rows of the whole cast tensor at a time
         return held + cast + by_rows_nbytes(target)
-    return max(held + cast, cast + int(target.scheme.transient * target.record.numel)) + freed_heap(target)
+    return max(held + cast, cast + target.scheme.transient_nbytes(target.record.numel)) + freed_heap(target)
 
 
 def freed_heap(target: Target) -> int:

@@ -71,7 +71,7 @@ class Stacked(Route):
         held = self.largest_piece if _copied(target) else 0
         if target.scheme is not None:  # quantized whole (a scheme that does not work by rows)
             cast = target.cast_nbytes
-            held = max(cast + held, cast + int(target.scheme.transient * target.record.numel)) + freed_heap(target)
+            held = max(cast + held, cast + target.scheme.transient_nbytes(target.record.numel)) + freed_heap(target)
         return held + decode(target)
 
     @property

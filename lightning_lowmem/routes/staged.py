@@ -87,7 +87,7 @@ class Staged(Route):
         """Beyond the final tensor, on the device: a weight to quantize, whole in its dtype, and what quantizing it
         holds (the scheme's measure, made on the CPU; unmeasured on a GPU). The host holds only the ring."""
         t = self.target
-        return 0 if t.scheme is None else t.cast_nbytes + int(t.scheme.transient * t.record.numel)
+        return 0 if t.scheme is None else t.cast_nbytes + t.scheme.transient_nbytes(t.record.numel)
 
 
 @dataclass(frozen=True)
