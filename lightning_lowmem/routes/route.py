@@ -115,8 +115,8 @@ def by_rows_nbytes(target: Target, blocks: int = 1) -> int:
     never more than the whole weight) as read, cast and quantized, and the freed heap a trim leaves: up to
     ``TRIM_AT`` bytes, the earlier weights' temporaries (measured on a Mixtral stack quantized to nf4: 15-32 MiB
     beyond the final tensors from run to run, where one block's allowance gave 19 MiB)."""
-    per_element = target.record.dtype.itemsize + target.dtype.itemsize + target.scheme.transient
-    working = int(min(target.record.numel, blocks * CHUNK_ELEMENTS) * per_element)
+    numel = min(target.record.numel, blocks * CHUNK_ELEMENTS)
+    working = numel * (target.record.dtype.itemsize + target.dtype.itemsize) + target.scheme.transient_nbytes(numel)
     return working + freed_heap(target)
 
 
